@@ -1,0 +1,182 @@
+"""Load a resolved model into memory, converting and caching foreign formats as safetensors.
+
+CTranslate2 Whisper and GGUF models are converted once into a transformers folder under the
+user cache directory, keyed by the source files' identity (path, size, modification time) and the
+converter version, so the second load reads plain safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.errors import ModelError
+from engine.models import CHAT, CTRANSLATE2, GGUF, TRANSFORMERS, WHISPER, ModelSource, resolve
+from engine.paths import cache_dir
+
+log = logging.getLogger(__name__)
+CONVERTER_VERSION = 1
+
+
+@dataclass
+class LoadReport:
+    seconds: float
+    from_cache: bool
+    cache_path: str | None
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    model: torch.nn.Module
+    tokenizer: object  # WhisperTokenizer for Whisper, a transformers tokenizer for chat
+    report: LoadReport
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def family(self) -> str:
+        return self.source.family
+
+
+def source_key(source: ModelSource) -> str:
+    h = hashlib.sha256(f"{source.format}:{CONVERTER_VERSION}".encode())
+    for path in source.identity_files():
+        st = path.stat()
+        h.update(f"|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def converted_dir(source: ModelSource) -> Path:
+    slug = "".join(c if c.isalnum() or c in "-._" else "_" for c in source.name)[:60]
+    return cache_dir() / "converted" / f"{slug}-{source_key(source)}"
+
+
+def _build_atomically(target: Path, build) -> None:
+    """Run ``build(tmp_folder)`` and move the folder into place only when it completed."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        build(tmp)
+        (tmp / "complete").write_text(json.dumps({"converter": CONVERTER_VERSION}))
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_ct2_whisper(source: ModelSource, out: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import WhisperConfig
+
+    from engine.ct2_whisper import convert_to_transformers, read_ct2_model
+    from engine.whisper_tokens import WhisperTokenizer
+
+    ct2 = read_ct2_model(list(source.weights))
+    fields, state = convert_to_transformers(ct2)
+    tok = WhisperTokenizer.from_folder(source.folder, vocab_size=fields["vocab_size"])
+    config = WhisperConfig(
+        **fields,
+        decoder_start_token_id=tok.sot,
+        bos_token_id=tok.eot,
+        eos_token_id=tok.eot,
+        pad_token_id=tok.eot,
+        begin_suppress_tokens=None,
+        suppress_tokens=None,
+    )
+    config.save_pretrained(out)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("tokenizer.json", "config.json"):
+        if (source.folder / name).is_file():
+            shutil.copy(source.folder / name, out / ("ct2_" + name if name == "config.json" else name))
+
+
+def _convert_gguf_chat(source: ModelSource, out: Path) -> None:
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = source.weights[0]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:
+        raise ModelError(f"{gguf} could not be read as a GGUF chat model ({exc.__class__.__name__}: {exc}).") from exc
+    model.config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(out)
+
+
+def _load_converted(source: ModelSource, convert) -> tuple[Path, bool]:
+    target = converted_dir(source)
+    if (target / "complete").is_file():
+        return target, True
+    log.info("Converting %s into %s (first load only)", source.name, target)
+    _build_atomically(target, lambda tmp: convert(source, tmp))
+    return target, False
+
+
+def load_whisper(source: ModelSource, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    from transformers import WhisperForConditionalGeneration
+
+    from engine.whisper_tokens import WhisperTokenizer
+
+    t0 = time.perf_counter()
+    if source.format == CTRANSLATE2:
+        folder, cached = _load_converted(source, _convert_ct2_whisper)
+    elif source.format == TRANSFORMERS:
+        folder, cached = source.folder, True
+    else:
+        raise ModelError(f"{source.name} is a {source.format} model, not a Whisper model.")
+    try:
+        model = WhisperForConditionalGeneration.from_pretrained(str(folder), dtype=dtype)
+    except Exception as exc:
+        raise ModelError(f"{source.name} could not be loaded as Whisper ({exc.__class__.__name__}).") from exc
+    model.to(device).eval()
+    tok = WhisperTokenizer.from_folder(folder, vocab_size=model.config.vocab_size)
+    report = LoadReport(time.perf_counter() - t0, cached, str(folder) if folder != source.folder else None)
+    return LoadedModel(source, model, tok, report)
+
+
+def load_chat(source: ModelSource, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    if source.format == GGUF:
+        folder, cached = _load_converted(source, _convert_gguf_chat)
+    elif source.format == TRANSFORMERS:
+        folder, cached = source.folder, True
+    else:
+        raise ModelError(f"{source.name} is a {source.format} model, not a chat model.")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    except Exception as exc:
+        raise ModelError(f"{source.name} could not be loaded as a chat model ({exc.__class__.__name__}).") from exc
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelError(f"{source.name} has no chat template, so it cannot hold a conversation.")
+    model.to(device).eval()
+    report = LoadReport(time.perf_counter() - t0, cached, str(folder) if folder != source.folder else None)
+    return LoadedModel(source, model, tokenizer, report)
+
+
+def load(name_or_path: str, family: str | None = None, device: str = "cpu") -> LoadedModel:
+    """Resolve and load a model; ``family`` (WHISPER or CHAT) checks it is the kind wanted."""
+    source = resolve(name_or_path)
+    if family and source.family != family:
+        kind = "a speech-to-text (Whisper)" if family == WHISPER else "a chat"
+        raise ModelError(f"{source.name} is not {kind} model.")
+    return load_whisper(source, device) if source.family == WHISPER else load_chat(source, device)
+
+
+__all__ = ["LoadedModel", "LoadReport", "load", "load_whisper", "load_chat", "converted_dir", "CHAT", "WHISPER"]

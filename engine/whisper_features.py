@@ -1,0 +1,78 @@
+"""Whisper's log-mel front end, computed the way faster-whisper does it.
+
+The mel spectrogram is computed over the whole clip and normalised by that clip's maximum; the
+30-second windows are cut afterwards and padded with zeros in the normalised domain. (The
+transformers feature extractor pads audio to 30 s first, which gives different text on some
+clips.)
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from engine.audio import SAMPLE_RATE
+
+N_FFT = 400
+HOP_LENGTH = 160
+WINDOW_FRAMES = 3000  # 30 s at 100 frames per second
+FRAMES_PER_SECOND = SAMPLE_RATE // HOP_LENGTH
+
+
+@lru_cache(maxsize=4)
+def mel_filters(n_mels: int, sr: int = SAMPLE_RATE, n_fft: int = N_FFT) -> np.ndarray:
+    """Slaney-style mel filter bank (area-normalised triangles), shape (n_mels, n_fft // 2 + 1)."""
+    fft_freqs = np.fft.rfftfreq(n=n_fft, d=1.0 / sr)
+    mels = np.linspace(0.0, 45.245640471924965, n_mels + 2)  # 0 Hz .. 8 kHz on the Slaney scale
+    f_sp = 200.0 / 3
+    freqs = f_sp * mels
+    min_log_hz = 1000.0
+    min_log_mel = min_log_hz / f_sp
+    logstep = np.log(6.4) / 27.0
+    log_region = mels >= min_log_mel
+    freqs[log_region] = min_log_hz * np.exp(logstep * (mels[log_region] - min_log_mel))
+    fdiff = np.diff(freqs)
+    ramps = freqs.reshape(-1, 1) - fft_freqs.reshape(1, -1)
+    lower = -ramps[:-2] / fdiff[:-1, None]
+    upper = ramps[2:] / fdiff[1:, None]
+    weights = np.maximum(0.0, np.minimum(lower, upper))
+    weights *= (2.0 / (freqs[2 : n_mels + 2] - freqs[:n_mels]))[:, None]
+    return weights.astype(np.float32)
+
+
+def log_mel(samples: np.ndarray, n_mels: int = 80) -> np.ndarray:
+    """Normalised log-mel features of a whole clip, shape (n_mels, frames)."""
+    audio = np.pad(samples.astype(np.float32), (0, HOP_LENGTH))  # faster-whisper's 160-sample tail
+    half = N_FFT // 2
+    audio = np.pad(audio, (half, half), mode="reflect")
+    n_frames = 1 + (audio.size - N_FFT) // HOP_LENGTH
+    frames = np.lib.stride_tricks.as_strided(
+        audio, (n_frames, N_FFT), (HOP_LENGTH * audio.strides[0], audio.strides[0])
+    )
+    window = np.hanning(N_FFT + 1)[:-1].astype(np.float32)
+    spectrum = np.fft.rfft(frames * window, n=N_FFT, axis=-1).astype(np.complex64).T
+    power = np.abs(spectrum[:, :-1]) ** 2
+    mel = mel_filters(n_mels) @ power
+    log_spec = np.log10(np.clip(mel, 1e-10, None))
+    log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
+    return ((log_spec + 4.0) / 4.0).astype(np.float32)
+
+
+def pad_window(features: np.ndarray, length: int = WINDOW_FRAMES) -> np.ndarray:
+    if features.shape[-1] >= length:
+        return features[:, :length]
+    return np.pad(features, ((0, 0), (0, length - features.shape[-1])))
+
+
+def windows(features: np.ndarray):
+    """Yield (start_frame, n_frames, padded window) over the clip, 30 s at a time.
+
+    The last frame is not content (it comes from the padding tail), as in faster-whisper.
+    """
+    content = features.shape[-1] - 1
+    seek = 0
+    while seek < content:
+        size = min(WINDOW_FRAMES, content - seek)
+        yield seek, size, pad_window(features[:, seek : seek + size])
+        seek += size

@@ -1,0 +1,79 @@
+"""The exact single-stream Whisper decoder: greedy, one 30-second window at a time.
+
+This is the yardstick: small and obvious, built on transformers' Whisper modules, and equal token
+for token to faster-whisper (beam_size=1, temperature=0, without_timestamps) on the same weights.
+Faster paths elsewhere in the engine are tested against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.loading import LoadedModel
+
+MAX_LENGTH = 448  # decoder positions, prompt included
+
+
+@dataclass
+class WindowResult:
+    tokens: list[int]  # generated ids, end-of-text excluded
+    no_speech_prob: float
+    avg_logprob: float
+
+
+class WhisperReference:
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tok = loaded.tokenizer
+        self.device = next(self.model.parameters()).device
+        self.dtype = next(self.model.parameters()).dtype
+        self.suppress = torch.tensor(self.tok.suppressed_tokens(), dtype=torch.long)
+        self.begin_suppress = torch.tensor(self.tok.begin_suppress, dtype=torch.long)
+
+    @torch.inference_mode()
+    def encode(self, window: np.ndarray) -> torch.Tensor:
+        feats = torch.from_numpy(window)[None].to(self.device, self.dtype)
+        return self.model.model.encoder(input_features=feats).last_hidden_state
+
+    def _logits(self, ids: list[int], encoded: torch.Tensor, cache=None):
+        out = self.model.model.decoder(
+            input_ids=torch.tensor([ids], device=self.device),
+            encoder_hidden_states=encoded,
+            cache=cache,
+            use_cache=True,
+        )
+        return self.model.proj_out(out.last_hidden_state)[0].float(), out.cache
+
+    @torch.inference_mode()
+    def detect_language(self, encoded: torch.Tensor) -> tuple[str, float]:
+        logits, _ = self._logits([self.tok.sot], encoded)
+        codes = list(self.tok.languages)
+        ids = torch.tensor([self.tok.languages[c] for c in codes])
+        probs = torch.softmax(logits[-1, ids], dim=-1)
+        best = int(torch.argmax(probs))
+        return codes[best], float(probs[best])
+
+    @torch.inference_mode()
+    def decode(self, encoded: torch.Tensor, prompt: list[int], max_length: int = MAX_LENGTH) -> WindowResult:
+        logits, cache = self._logits(prompt, encoded)
+        no_speech_prob = float(torch.softmax(logits[prompt.index(self.tok.sot)], -1)[self.tok.no_speech])
+        step = logits[-1]
+        tokens: list[int] = []
+        logprob_sum = 0.0
+        while len(prompt) + len(tokens) < max_length:
+            step = step.clone()
+            step[self.suppress] = -float("inf")
+            if not tokens:
+                step[self.begin_suppress] = -float("inf")
+            token = int(torch.argmax(step))
+            logprob_sum += float(torch.log_softmax(step, -1)[token])
+            if token == self.tok.eot:
+                break
+            tokens.append(token)
+            logits, cache = self._logits([token], encoded, cache)
+            step = logits[-1]
+        return WindowResult(tokens, no_speech_prob, logprob_sum / (len(tokens) + 1))
