@@ -56,17 +56,17 @@ def source_key(source: ModelSource) -> str:
 
 
 def converted_dir(source: ModelSource) -> Path:
-    slug = "".join(c if c.isalnum() or c in "-._" else "_" for c in source.name)[:60]
-    return cache_dir() / "converted" / f"{slug}-{source_key(source)}"
+    """One folder per source file identity, whatever name the model was asked for by."""
+    return cache_dir() / "converted" / f"{source.format}-{source_key(source)}"
 
 
-def _build_atomically(target: Path, build) -> None:
+def _build_atomically(target: Path, build, manifest: dict) -> None:
     """Run ``build(tmp_folder)`` and move the folder into place only when it completed."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
         build(tmp)
-        (tmp / "complete").write_text(json.dumps({"converter": CONVERTER_VERSION}))
+        (tmp / "complete").write_text(json.dumps(manifest, indent=2))
         if target.exists():
             shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
@@ -122,7 +122,9 @@ def _load_converted(source: ModelSource, convert) -> tuple[Path, bool]:
     if (target / "complete").is_file():
         return target, True
     log.info("Converting %s into %s (first load only)", source.name, target)
-    _build_atomically(target, lambda tmp: convert(source, tmp))
+    manifest = {"converter": CONVERTER_VERSION, "name": source.name, "origin": source.origin,
+                "files": [str(p) for p in source.identity_files()]}
+    _build_atomically(target, lambda tmp: convert(source, tmp), manifest)
     return target, False
 
 

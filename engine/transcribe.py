@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -12,38 +11,11 @@ from engine.audio import SAMPLE_RATE, load_audio
 from engine.errors import CadenceError, RequestError
 from engine.loading import LoadedModel
 from engine.whisper_features import FRAMES_PER_SECOND, WINDOW_FRAMES, log_mel, pad_window, windows
+from engine.transcript import Segment, Transcript
 from engine.whisper_reference import WhisperReference
 
 NO_SPEECH_THRESHOLD = 0.6  # skip a window the model calls silent ...
 LOGPROB_THRESHOLD = -1.0  # ... unless its words were confident anyway (faster-whisper's defaults)
-
-
-@dataclass
-class Segment:
-    start: float
-    end: float
-    text: str
-    tokens: list[int] = field(default_factory=list)
-
-
-@dataclass
-class Transcript:
-    file: str
-    text: str
-    language: str
-    duration: float
-    segments: list[Segment]
-    stats: dict
-
-    def to_json(self) -> dict:
-        return {
-            "file": self.file,
-            "text": self.text,
-            "language": self.language,
-            "duration": round(self.duration, 3),
-            "segments": [{"start": round(s.start, 3), "end": round(s.end, 3), "text": s.text} for s in self.segments],
-            "stats": self.stats,
-        }
 
 
 def transcribe_samples(

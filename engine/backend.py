@@ -1,0 +1,39 @@
+"""Which compute backends this machine has, and which one to use."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.errors import RequestError
+
+BACKENDS = ("auto", "cpu", "cuda", "mps")
+
+
+def available_backends() -> list[str]:
+    found = ["cpu"]
+    if torch.cuda.is_available():  # ROCm builds of PyTorch report through torch.cuda as well
+        found.insert(0, "cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        found.insert(0, "mps")
+    return found
+
+
+def resolve_backend(name: str = "auto") -> str:
+    """Turn auto/cpu/cuda/mps into a torch device string, refusing one that is absent here."""
+    name = (name or "auto").lower()
+    if name not in BACKENDS:
+        raise RequestError(f"Unknown backend '{name}' (choose from {', '.join(BACKENDS)}).")
+    present = available_backends()
+    if name == "auto":
+        return present[0]
+    if name not in present:
+        raise RequestError(f"The {name} backend is not available on this machine (available: {', '.join(present)}).")
+    return name
+
+
+def describe_backend(device: str) -> str:
+    if device == "cuda":
+        return f"CUDA ({torch.cuda.get_device_name(0)})"
+    if device == "mps":
+        return "Apple Metal (MPS)"
+    return f"CPU ({torch.get_num_threads()} threads)"

@@ -1,0 +1,107 @@
+"""Shared fixtures: real models loaded once per session, real speech generated with espeak-ng."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Keep the user's own cache and data out of the suite: every run converts the models once, in a
+# cache of its own, which also exercises the cold path.
+_SESSION_ROOT = Path(tempfile.mkdtemp(prefix="cadence-tests-"))
+os.environ.setdefault("CADENCE_CACHE_DIR", str(_SESSION_ROOT / "cache"))
+os.environ.setdefault("CADENCE_DATA_DIR", str(_SESSION_ROOT / "data"))
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+hf_logging.set_verbosity_error()
+hf_logging.disable_progress_bar()
+
+SPEECH = {
+    "fox": ("en-us+f3", 130, "The quick brown fox jumps over the lazy dog. Meetings start at nine in the morning."),
+    "report": ("en-us+m3", 150, "Please remember to send the quarterly report to the finance team by Friday afternoon."),
+    "budget": ("en-us+f3", 140, "We will review the budget numbers together next week and decide on the new hires."),
+    "weather": ("en-us+m3", 135, "Tomorrow will be cloudy with a chance of rain in the afternoon, so bring an umbrella."),
+    "german": ("de", 130, "Guten Morgen. Heute besprechen wir den Plan für die nächste Woche und die neuen Aufgaben."),
+}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_SESSION_ROOT, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def session_dir() -> Path:
+    return _SESSION_ROOT
+
+
+def synthesize(text: str, out: Path, voice: str = "en-us+f3", rate: int = 130, sample_rate: int = 16000) -> Path:
+    """Speak ``text`` with espeak-ng and convert it to a mono WAV at ``sample_rate``."""
+    raw = out.with_suffix(".raw.wav")
+    subprocess.run(["espeak-ng", "-w", str(raw), "-v", voice, "-s", str(rate), text], check=True)
+    subprocess.run(["sox", str(raw), "-r", str(sample_rate), "-c", "1", str(out)], check=True)
+    raw.unlink()
+    return out
+
+
+@pytest.fixture(scope="session")
+def speech(session_dir) -> dict[str, Path]:
+    """Short speech clips by name, plus 'long': about 45 s of speech spanning two 30-s windows."""
+    folder = session_dir / "speech"
+    folder.mkdir()
+    clips = {name: synthesize(text, folder / f"{name}.wav", voice, rate) for name, (voice, rate, text) in SPEECH.items()}
+    long_path = folder / "long.wav"
+    parts = [str(clips[n]) for n in ("fox", "report", "budget", "weather", "fox", "report")]
+    subprocess.run(["sox", *parts, str(long_path)], check=True)
+    clips["long"] = long_path
+    return clips
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    from engine.loading import load
+
+    return load("whisper-tiny.en")
+
+
+@pytest.fixture(scope="session")
+def base():
+    from engine.loading import load
+
+    return load("whisper-base")
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    from engine.loading import load
+
+    return load("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def ct2_folder(session_dir):
+    """A plain CTranslate2 folder for each built-in Whisper (parts joined), for faster-whisper."""
+    from engine.models import resolve
+
+    def make(name: str) -> Path:
+        source = resolve(name)
+        if len(source.weights) == 1:
+            return source.folder
+        folder = session_dir / f"ct2-{name}"
+        if not folder.exists():
+            folder.mkdir()
+            with open(folder / "model.bin", "wb") as out:
+                for part in source.weights:
+                    with open(part, "rb") as f:
+                        shutil.copyfileobj(f, out)
+            for f in ("config.json", "tokenizer.json", "vocabulary.txt"):
+                shutil.copy(source.folder / f, folder / f)
+        return folder
+
+    return make
