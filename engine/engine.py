@@ -1,0 +1,236 @@
+"""The engine: a background thread that owns the models and their lanes.
+
+Callers on any thread ``submit`` a request and get a :class:`Handle` whose events arrive as they
+happen (started, delta, progress, finished, failed). The Qt app, the CLI and the tests all use
+this one API. Nothing here imports Qt.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.errors import CadenceError
+from engine.models import CHAT, DEFAULT_CHAT, DEFAULT_WHISPER, WHISPER
+from engine.sampling import SamplingParams
+
+DEFAULT_WIDTH = 8
+
+
+# ---------------------------------------------------------------------------- requests and events
+@dataclass
+class ChatRequest:
+    prompt: str = ""
+    system: str | None = None
+    history: list[dict] = field(default_factory=list)
+    model: str = DEFAULT_CHAT
+    params: SamplingParams = field(default_factory=SamplingParams)
+    prompt_ids: list[int] | None = None  # bypasses the chat template when given
+
+
+@dataclass
+class TranscribeRequest:
+    audio: str | Path | np.ndarray  # a path, or 16 kHz mono samples
+    model: str = DEFAULT_WHISPER
+    language: str | None = None
+    task: str = "transcribe"
+    name: str = ""
+
+
+@dataclass
+class Event:
+    kind: str  # "started" | "delta" | "progress" | "finished" | "failed"
+    request_id: int
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    done: int = 0
+    total: int = 0
+    result: object = None
+    message: str = ""
+
+    @property
+    def terminal(self) -> bool:
+        return self.kind in ("finished", "failed")
+
+
+class Handle:
+    """What ``submit`` returns: iterate it for events, or wait for ``result()``."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, engine: "Engine", request):
+        self.id = next(self._ids)
+        self.request = request
+        self.events: queue.Queue[Event] = queue.Queue()
+        self._engine = engine
+        self._final: Event | None = None
+        self.cancelled = False
+
+    def _emit(self, event: Event) -> None:
+        if event.terminal:
+            self._final = event
+        self.events.put(event)
+
+    def __iter__(self):
+        while True:
+            event = self.events.get()
+            yield event
+            if event.terminal:
+                return
+
+    def result(self, timeout: float | None = None):
+        """Block until finished; return the result, or raise CadenceError with the failure's sentence."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._final is None or not self.events.empty():
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                event = self.events.get(timeout=remaining)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.id} did not finish in {timeout} s") from None
+            if event.terminal:
+                self._final = event
+                break
+        if self._final.kind == "failed":
+            raise CadenceError(self._final.message)
+        return self._final.result
+
+    def cancel(self) -> None:
+        self._engine.cancel(self)
+
+
+# ---------------------------------------------------------------------------- the engine
+class Engine:
+    def __init__(self, backend: str = "auto", batch: str | int = "auto", width: int | None = None):
+        from engine.backend import resolve_backend
+
+        self.device = resolve_backend(backend)
+        self.batch = batch
+        self.width = self._width(batch, width)
+        self._commands: queue.Queue = queue.Queue()
+        self._models: dict[str, object] = {}
+        self._lanes: dict[str, object] = {}
+        self._work: dict[int, list] = {}  # handle id -> its sequences
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cadence-engine", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _width(batch, width) -> int:
+        if str(batch).lower() == "off":
+            return 1
+        if str(batch).lower() == "auto":
+            return width or DEFAULT_WIDTH
+        n = int(batch)
+        if n < 1:
+            raise CadenceError(f"Batch width must be at least 1 (got {n}).")
+        return n
+
+    # public API ---------------------------------------------------------------
+    def submit(self, request) -> Handle:
+        if self._stop.is_set():
+            raise CadenceError("The engine has been shut down.")
+        handle = Handle(self, request)
+        self._commands.put(("submit", handle))
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        handle.cancelled = True
+        self._commands.put(("cancel", handle))
+
+    def shutdown(self, timeout: float = 30) -> None:
+        self._stop.set()
+        self._commands.put(("stop", None))
+        self._thread.join(timeout)
+
+    def lane(self, model: str, family: str):
+        """The lane of a model, loading it on first use (engine thread only)."""
+        if model not in self._lanes:
+            from engine.loading import load
+            from engine.scheduler import Lane
+
+            loaded = load(model, family=family, device=self.device)
+            if loaded.family == CHAT:
+                from engine.families.llama import LlamaBatched
+
+                decoder = LlamaBatched(loaded, self.width)
+            else:
+                from engine.families.whisper import WhisperBatched
+
+                decoder = WhisperBatched(loaded, self.width)
+            self._models[model] = loaded
+            self._lanes[model] = Lane(decoder, name=model)
+        return self._lanes[model]
+
+    # engine thread ------------------------------------------------------------
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            self._serve()
+
+    def _serve(self) -> None:
+        while True:
+            busy = any(lane.busy for lane in self._lanes.values())
+            try:
+                command, handle = self._commands.get(block=not busy, timeout=None if not busy else 0)
+            except queue.Empty:
+                command = None
+            if command == "stop":
+                for seqs in self._work.values():
+                    for seq in seqs:
+                        handle = getattr(seq, "handle", None)
+                        if handle is not None and handle._final is None:
+                            handle._emit(Event("failed", handle.id, message="The engine was shut down."))
+                return
+            if command == "submit":
+                self._start(handle)
+            elif command == "cancel":
+                for seq in self._work.get(handle.id, []):
+                    seq.cancelled = True
+            for lane in list(self._lanes.values()):
+                if lane.busy:
+                    try:
+                        lane.step()
+                    except Exception as exc:  # a fault fails that lane's requests, not the engine
+                        self._fail_lane(lane, exc)
+
+    def _fail_lane(self, lane, exc: Exception) -> None:
+        message = f"The engine failed while decoding ({exc.__class__.__name__}: {exc})."
+        traceback.print_exc()
+        for seq in [s for s in lane.slots if s is not None] + list(lane.waiting):
+            seq.cancelled = True
+            handle = getattr(seq, "handle", None)
+            if handle is not None and handle._final is None:
+                handle._emit(Event("failed", handle.id, message=message))
+        lane.slots = [None] * lane.width
+        lane.waiting.clear()
+
+    def _start(self, handle: Handle) -> None:
+        try:
+            if isinstance(handle.request, ChatRequest):
+                from engine.requests import start_chat
+
+                self._work[handle.id] = start_chat(self, handle)
+            elif isinstance(handle.request, TranscribeRequest):
+                from engine.requests import start_transcription
+
+                self._work[handle.id] = start_transcription(self, handle)
+            else:
+                raise CadenceError(f"Unknown request type {type(handle.request).__name__}.")
+        except CadenceError as exc:
+            handle._emit(Event("failed", handle.id, message=str(exc)))
+        except Exception as exc:
+            traceback.print_exc()
+            handle._emit(Event("failed", handle.id, message=f"The request could not start ({exc.__class__.__name__}: {exc})."))
+
+    def loaded(self, model: str):
+        return self._models[model]
+
+
+__all__ = ["Engine", "ChatRequest", "TranscribeRequest", "Event", "Handle", "WHISPER", "CHAT"]

@@ -1,0 +1,130 @@
+"""The batched engine: exact against the single-stream reference, alone and batched.
+
+Invariants: N=1 exact; batched = serial (different lengths, joins in mid-flight, a cancellation);
+seeded sampling independent of the batch. A mismatch is accepted only at a floating-point
+near-tie (gap between the two best reference logits below 1e-3) at the first differing token.
+"""
+
+import pytest
+import torch
+
+from engine.chat_reference import ChatReference, build_messages
+from engine.engine import ChatRequest, Engine, TranscribeRequest
+from engine.errors import CadenceError
+from engine.sampling import SamplingParams
+from engine.transcribe import transcribe_file
+from engine.whisper_reference import WhisperReference
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn rain.",
+    "List three fruits that are red.",
+    "Explain in two sentences why the sea is salty.",
+    "Name a famous painter.",
+    "Give me a tip for sleeping better.",
+]
+
+
+@pytest.fixture(scope="module")
+def engine4():
+    eng = Engine(backend="cpu", batch=4)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine_off():
+    eng = Engine(backend="cpu", batch="off")
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def chat_ref(smollm):
+    return ChatReference(smollm)
+
+
+def assert_same_or_near_tie(chat_ref, prompt_ids, got, want):
+    if got == want:
+        return
+    i = next(i for i, (a, b) in enumerate(zip(got + [-1], want + [-2])) if a != b)
+    with torch.inference_mode():
+        logits = chat_ref.model(torch.tensor([prompt_ids + want[:i]])).logits[0, -1]
+    top2 = torch.topk(logits.float(), 2).values
+    gap = float(top2[0] - top2[1])
+    assert gap < 1e-3, f"token {i} differs with a logit gap of {gap:.4g}: a masking or position bug"
+
+
+def test_single_request_is_exact_with_batching_on_and_off(engine4, engine_off, chat_ref):
+    ids = chat_ref.prompt_ids(build_messages(PROMPTS[1]))
+    want = chat_ref.generate(ids, SamplingParams(max_tokens=32)).tokens
+    on = engine4.submit(ChatRequest(PROMPTS[1], params=SamplingParams(max_tokens=32))).result(300)
+    off = engine_off.submit(ChatRequest(PROMPTS[1], params=SamplingParams(max_tokens=32))).result(300)
+    assert on["tokens"] == off["tokens"] == want
+
+
+def test_batched_chat_equals_serial_with_joins_and_a_cancellation(engine4, chat_ref):
+    params = SamplingParams(max_tokens=40)
+    handles = [engine4.submit(ChatRequest(p, params=params)) for p in PROMPTS]
+    doomed = engine4.submit(ChatRequest("Write a very long essay about the history of Rome.",
+                                        params=SamplingParams(max_tokens=200)))
+    for event in doomed:  # cancel once it is decoding beside the others
+        if event.kind == "delta" and len(event.tokens):
+            doomed.cancel()
+            break
+    results = [h.result(600) for h in handles]
+    assert doomed.result(600)["finish_reason"] == "cancelled"
+    for prompt, result in zip(PROMPTS, results):
+        ids = chat_ref.prompt_ids(build_messages(prompt))
+        want = chat_ref.generate(ids, params).tokens
+        assert_same_or_near_tie(chat_ref, ids, result["tokens"], want)
+        stats = result["stats"]
+        assert stats["tokens"] == len(result["tokens"])
+        assert stats["time_to_first_token"] is not None and stats["end_to_end"] >= stats["time_to_first_token"]
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(engine4, engine_off):
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=24)
+    alone = engine_off.submit(ChatRequest("Tell me about dragons.", params=params)).result(300)
+    crowd = [engine4.submit(ChatRequest(p, params=SamplingParams(temperature=0.8, seed=i, max_tokens=24)))
+             for i, p in enumerate(PROMPTS[:3])]
+    together = engine4.submit(ChatRequest("Tell me about dragons.", params=params)).result(300)
+    for h in crowd:
+        h.result(300)
+    assert alone["tokens"] == together["tokens"]
+
+
+def test_batched_whisper_equals_the_reference(engine4, tiny, speech):
+    ref = WhisperReference(tiny)
+    names = ["long", "fox", "report", "budget"]
+    handles = [engine4.submit(TranscribeRequest(speech[n])) for n in names]
+    for name, handle in zip(names, handles):
+        got = handle.result(600)
+        want = transcribe_file(ref, speech[name])
+        assert [s.tokens for s in got.segments] == [s.tokens for s in want.segments], name
+        assert [(s.start, s.end) for s in got.segments] == [(s.start, s.end) for s in want.segments]
+
+
+def test_events_stream_in_order(engine4):
+    handle = engine4.submit(ChatRequest("Say hello.", params=SamplingParams(max_tokens=8)))
+    kinds = [e.kind for e in handle]
+    assert kinds[0] == "started" and kinds[-1] == "finished" and "delta" in kinds
+
+
+def test_bad_requests_fail_with_a_sentence_and_the_engine_keeps_serving(engine4, tmp_path):
+    bad = tmp_path / "bad.wav"
+    bad.write_bytes(b"not audio at all" * 10)
+    with pytest.raises(CadenceError, match="not an audio"):
+        engine4.submit(TranscribeRequest(bad)).result(60)
+    with pytest.raises(CadenceError, match="Temperature"):
+        engine4.submit(ChatRequest("hi", params=SamplingParams(temperature=-1))).result(60)
+    with pytest.raises(CadenceError, match="Unknown model"):
+        engine4.submit(ChatRequest("hi", model="no-such-model")).result(60)
+    ok = engine4.submit(ChatRequest("Name a color.", params=SamplingParams(max_tokens=4))).result(300)
+    assert ok["tokens"]
+
+
+def test_lane_reports_bounded_cache_memory(engine4):
+    lane = engine4._lanes["smollm2-135m-instruct"]
+    assert lane.width == 4
+    assert 0 < lane.decoder.cache_bytes < 4 * 2**30
