@@ -71,7 +71,7 @@ def _slot_view(cache: torch.Tensor, slots: torch.Tensor, length: int) -> torch.T
     first = int(slots[0])
     if torch.equal(slots, torch.arange(first, first + slots.numel(), device=slots.device)):
         return cache[first : first + slots.numel(), :, :length]
-    return cache.index_select(0, slots)[:, :, :length]
+    return cache[:, :, :length].index_select(0, slots)  # copies only the live part
 
 
 def _to_padded(rows: torch.Tensor, batch: StepBatch) -> torch.Tensor:
