@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,26 +24,10 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog. Meetings start at nine in the morning and end before lunch.",
-    "Please remember to send the quarterly report to the finance team by Friday afternoon.",
-    "We will review the budget numbers together next week and decide on the new hires for the spring.",
-    "Tomorrow will be cloudy with a chance of rain in the afternoon, so bring an umbrella to the office.",
-]
 PROMPTS = [
     "Explain how a bicycle works to a ten year old.",
     "Write a short story about a lighthouse keeper.",
 ]
-
-
-def speech_clips(folder: Path) -> list[Path]:
-    clips = []
-    for i, text in enumerate(TEXTS):
-        raw, out = folder / f"{i}.raw.wav", folder / f"{i}.wav"
-        subprocess.run(["espeak-ng", "-w", str(raw), "-v", "en-us+f3", "-s", "130", text], check=True)
-        subprocess.run(["sox", str(raw), "-r", "16000", "-c", "1", str(out)], check=True)
-        clips.append(out)
-    return clips
 
 
 def timed(fn):
@@ -62,9 +45,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="cadence-bench-"))
     os.environ["CADENCE_CACHE_DIR"] = str(work / "cache")
 
-    from faster_whisper import WhisperModel
-
-    from engine.audio import load_audio
+    from bench.common import faster_whisper_model, speech_samples
     from engine.chat_reference import ChatReference, build_messages
     from engine.loading import load
     from engine.sampling import SamplingParams
@@ -80,20 +61,12 @@ def main() -> None:
         loaded[name] = load(name)
         print(f"| {name} | {cold:.2f} | {cached:.2f} |")
 
-    clips = [load_audio(p) for p in speech_clips(work)]
+    clips = speech_samples(work, 4)
     audio_s = sum(c.size for c in clips) / 16000
     print(f"\n## Whisper, {len(clips)} clips, {audio_s:.1f} s of speech, greedy, float32, best of {args.repeats}\n")
     print("| model | engine | seconds | tokens | tok/s | same tokens as faster-whisper |\n|---|---|---|---|---|---|")
     for name in ("whisper-tiny.en", "whisper-base"):
-        source = loaded[name].source
-        fw_dir = work / f"fw-{name}"
-        fw_dir.mkdir()
-        with open(fw_dir / "model.bin", "wb") as out:
-            for part in source.weights:
-                out.write(part.read_bytes())
-        for f in ("config.json", "tokenizer.json", "vocabulary.txt"):
-            shutil.copy(source.folder / f, fw_dir / f)
-        fw = WhisperModel(str(fw_dir), device="cpu", compute_type="float32", cpu_threads=torch.get_num_threads())
+        fw = faster_whisper_model(name, work / f"fw-{name}", torch.get_num_threads())
         ref = WhisperReference(loaded[name])
 
         def run_fw():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,12 +26,6 @@ PROMPTS = [
     "Explain how a bicycle works.", "Write a short story about a lighthouse keeper.",
     "What are the benefits of exercise?", "Describe the water cycle.", "Give me three tips for cooking rice.",
     "Why is the sky blue?", "Summarize the plot of Romeo and Juliet.", "How do vaccines work?",
-]
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog. Meetings start at nine in the morning and end before lunch.",
-    "Please remember to send the quarterly report to the finance team by Friday afternoon.",
-    "We will review the budget numbers together next week and decide on the new hires for the spring.",
-    "Tomorrow will be cloudy with a chance of rain in the afternoon, so bring an umbrella to the office.",
 ]
 
 
@@ -73,33 +66,17 @@ def chat_table(widths, n_tokens):
 
 
 def whisper_table(width):
-    from faster_whisper import WhisperModel
-
-    from engine.audio import load_audio
+    from bench.common import faster_whisper_model, speech_samples
     from engine.engine import Engine, TranscribeRequest
-    from engine.models import resolve
 
     work = Path(tempfile.mkdtemp())
-    clips = []
-    for i in range(8):
-        raw, out = work / f"{i}.raw.wav", work / f"{i}.wav"
-        subprocess.run(["espeak-ng", "-w", str(raw), "-v", "en-us+f3", "-s", "130", TEXTS[i % 4]], check=True)
-        subprocess.run(["sox", str(raw), "-r", "16000", "-c", "1", str(out)], check=True)
-        clips.append(load_audio(out))
+    clips = speech_samples(work, 8)
     print(f"\n## Whisper, 8 clips ({sum(c.size for c in clips) / 16000:.0f} s of speech), greedy, models loaded\n")
     print("| model | faster-whisper one after another (s) | Cadence engine, width "
           f"{width} (s) | speed-up | same tokens |")
     print("|---|---|---|---|---|")
     for name in ("whisper-tiny.en", "whisper-base"):
-        source = resolve(name)
-        fw_dir = work / name
-        fw_dir.mkdir()
-        with open(fw_dir / "model.bin", "wb") as f:
-            for part in source.weights:
-                f.write(part.read_bytes())
-        for fn in ("config.json", "tokenizer.json", "vocabulary.txt"):
-            shutil.copy(source.folder / fn, fw_dir / fn)
-        fw = WhisperModel(str(fw_dir), device="cpu", compute_type="float32", cpu_threads=torch.get_num_threads())
+        fw = faster_whisper_model(name, work / name, torch.get_num_threads())
         t0 = time.perf_counter()
         fw_tokens = [[t for s in fw.transcribe(c, language="en", beam_size=1, temperature=0, without_timestamps=True,
                                                condition_on_previous_text=False)[0] for t in s.tokens] for c in clips]

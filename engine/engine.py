@@ -77,6 +77,7 @@ class Handle:
     def _emit(self, event: Event) -> None:
         if event.terminal:
             self._final = event
+            self._engine._work.pop(self.id, None)  # the engine keeps nothing of an ended request
         self.events.put(event)
 
     def __iter__(self):
@@ -115,7 +116,7 @@ class Engine:
         self.batch = batch
         self.width = self._width(batch, width)
         self._commands: queue.Queue = queue.Queue()
-        self._models: dict[str, object] = {}
+        self._references: dict[str, object] = {}  # model -> its reference decoder (template, token rules)
         self._lanes: dict[str, object] = {}
         self._work: dict[int, list] = {}  # handle id -> its sequences
         self._stop = threading.Event()
@@ -158,16 +159,22 @@ class Engine:
 
             loaded = load(model, family=family, device=self.device)
             if loaded.family == CHAT:
+                from engine.chat_reference import ChatReference
                 from engine.families.llama import LlamaBatched
 
-                decoder = LlamaBatched(loaded, self.width)
+                decoder, reference = LlamaBatched(loaded, self.width), ChatReference(loaded)
             else:
                 from engine.families.whisper import WhisperBatched
+                from engine.whisper_reference import WhisperReference
 
-                decoder = WhisperBatched(loaded, self.width)
-            self._models[model] = loaded
+                decoder, reference = WhisperBatched(loaded, self.width), WhisperReference(loaded)
+            self._references[model] = reference
             self._lanes[model] = Lane(decoder, name=model)
         return self._lanes[model]
+
+    def reference(self, model: str):
+        """The model's reference decoder, whose prompt and token rules requests reuse."""
+        return self._references[model]
 
     # engine thread ------------------------------------------------------------
     def _loop(self) -> None:
@@ -177,16 +184,14 @@ class Engine:
     def _serve(self) -> None:
         while True:
             busy = any(lane.busy for lane in self._lanes.values())
-            try:
-                command, handle = self._commands.get(block=not busy, timeout=None if not busy else 0)
+            try:  # wait for a command when idle; only peek while decoding
+                command, handle = self._commands.get(block=not busy)
             except queue.Empty:
                 command = None
             if command == "stop":
-                for seqs in self._work.values():
-                    for seq in seqs:
-                        handle = getattr(seq, "handle", None)
-                        if handle is not None and handle._final is None:
-                            handle._emit(Event("failed", handle.id, message="The engine was shut down."))
+                for seqs in list(self._work.values()):
+                    if seqs and seqs[0].handle._final is None:
+                        seqs[0].handle._emit(Event("failed", seqs[0].handle.id, message="The engine was shut down."))
                 return
             if command == "submit":
                 self._start(handle)
@@ -205,9 +210,8 @@ class Engine:
         traceback.print_exc()
         for seq in [s for s in lane.slots if s is not None] + list(lane.waiting):
             seq.cancelled = True
-            handle = getattr(seq, "handle", None)
-            if handle is not None and handle._final is None:
-                handle._emit(Event("failed", handle.id, message=message))
+            if seq.handle is not None and seq.handle._final is None:
+                seq.handle._emit(Event("failed", seq.handle.id, message=message))
         lane.slots = [None] * lane.width
         lane.waiting.clear()
 
@@ -228,9 +232,6 @@ class Engine:
         except Exception as exc:
             traceback.print_exc()
             handle._emit(Event("failed", handle.id, message=f"The request could not start ({exc.__class__.__name__}: {exc})."))
-
-    def loaded(self, model: str):
-        return self._models[model]
 
 
 __all__ = ["Engine", "ChatRequest", "TranscribeRequest", "Event", "Handle", "WHISPER", "CHAT"]

@@ -23,6 +23,8 @@ def download_from_hub(repo_id: str) -> Path:
     """Return a local folder holding ``repo_id``'s files (from the local cache when already there)."""
     try:
         import huggingface_hub
+        from huggingface_hub.errors import RepositoryNotFoundError
+        from huggingface_hub.utils import enable_progress_bars
     except ImportError as exc:  # pragma: no cover - a dependency of transformers
         raise _offline_error(repo_id, "huggingface_hub is not installed") from exc
     target = cache_dir() / "hub"
@@ -35,12 +37,13 @@ def download_from_hub(repo_id: str) -> Path:
         raise _offline_error(repo_id, "HF_HUB_OFFLINE is set")
     try:
         huggingface_hub.model_info(repo_id, timeout=10)
-    except huggingface_hub.errors.RepositoryNotFoundError as exc:
+    except RepositoryNotFoundError as exc:
         raise ModelError(f"The hub has no model named '{repo_id}' (or it is private).") from exc
     except Exception as exc:  # network down, DNS failure, refused, timed out
         raise _offline_error(repo_id, "the model hub cannot be reached from this machine") from exc
     try:
-        # snapshot_download shows a tqdm progress bar per file on stderr.
+        # A progress bar per file on stderr, even where a front end silenced library progress bars.
+        enable_progress_bars()
         return Path(huggingface_hub.snapshot_download(repo_id, cache_dir=target, allow_patterns=_ALLOW))
     except Exception as exc:
         raise ModelError(f"Downloading '{repo_id}' failed: {exc.__class__.__name__}.") from exc

@@ -117,7 +117,13 @@ def _convert_gguf_chat(source: ModelSource, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _load_converted(source: ModelSource, convert) -> tuple[Path, bool]:
+def _transformers_folder(source: ModelSource, foreign_format: str, convert, kind: str) -> tuple[Path, bool]:
+    """A transformers folder for ``source`` (converted once from ``foreign_format``), and whether
+    it was ready without converting."""
+    if source.format == TRANSFORMERS:
+        return source.folder, True
+    if source.format != foreign_format:
+        raise ModelError(f"{source.name} is a {source.format} model, not {kind}.")
     target = converted_dir(source)
     if (target / "complete").is_file():
         return target, True
@@ -134,12 +140,7 @@ def load_whisper(source: ModelSource, device: str = "cpu", dtype: torch.dtype = 
     from engine.whisper_tokens import WhisperTokenizer
 
     t0 = time.perf_counter()
-    if source.format == CTRANSLATE2:
-        folder, cached = _load_converted(source, _convert_ct2_whisper)
-    elif source.format == TRANSFORMERS:
-        folder, cached = source.folder, True
-    else:
-        raise ModelError(f"{source.name} is a {source.format} model, not a Whisper model.")
+    folder, cached = _transformers_folder(source, CTRANSLATE2, _convert_ct2_whisper, "a Whisper model")
     try:
         model = WhisperForConditionalGeneration.from_pretrained(str(folder), dtype=dtype)
     except Exception as exc:
@@ -154,12 +155,7 @@ def load_chat(source: ModelSource, device: str = "cpu", dtype: torch.dtype = tor
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
-    if source.format == GGUF:
-        folder, cached = _load_converted(source, _convert_gguf_chat)
-    elif source.format == TRANSFORMERS:
-        folder, cached = source.folder, True
-    else:
-        raise ModelError(f"{source.name} is a {source.format} model, not a chat model.")
+    folder, cached = _transformers_folder(source, GGUF, _convert_gguf_chat, "a chat model")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)

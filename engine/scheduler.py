@@ -34,6 +34,9 @@ class Sequence:
     on_finish: Callable[["Sequence"], None] | None = None
     prepare: Callable[["Sequence", int], None] | None = None  # called with the slot on joining
     probe_row: int | None = None  # a prompt row whose logits are kept (Whisper's no-speech check)
+    track_logprob: bool = False  # sum the chosen tokens' log-probabilities (Whisper's quality check)
+    handle: object | None = None  # the request this sequence belongs to
+    index: int = 0  # its place within that request (Whisper: the window number)
     # state
     slot: int = -1
     fed: int = 0  # tokens already in the cache
@@ -91,7 +94,6 @@ class Lane:
         self.slots: list[Sequence | None] = [None] * self.width
         self.waiting: deque[Sequence] = deque()
         self.steps = 0
-        self.step_log: Callable[[dict], None] | None = None
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -134,7 +136,7 @@ class Lane:
         if not seq.tokens and seq.begin_suppress is not None:
             logits[seq.begin_suppress] = -float("inf")
         token = pick_token(logits, seq.params, seq.generator)
-        if seq.params.greedy:
+        if seq.track_logprob:
             seq.logprob_sum += float(torch.log_softmax(logits, -1)[token])
         return token
 
@@ -150,24 +152,24 @@ class Lane:
         rows = [s.next_rows() for s in active]
         batch = StepBatch.build([s.slot for s in active], rows, [s.fed for s in active],
                                 device=self.decoder.cache.k.device)
-        offsets = torch.cumsum(batch.lengths, 0) - batch.lengths
-        wanted, owners = [], []
-        for i, s in enumerate(active):
-            if s.probe_row is not None and s.fed <= s.probe_row < s.fed + len(rows[i]):
-                wanted.append(int(offsets[i]) + s.probe_row - s.fed)
-                owners.append((s, "probe"))
-            wanted.append(int(offsets[i]) + len(rows[i]) - 1)
-            owners.append((s, "last"))
+        # Logits are computed only for each sequence's last row (plus a probe row where asked).
+        wanted, owners, offset = [], [], 0
+        for seq, r in zip(active, rows):
+            if seq.probe_row is not None and seq.fed <= seq.probe_row < seq.fed + len(r):
+                wanted.append(offset + seq.probe_row - seq.fed)
+                owners.append((seq, None))
+            offset += len(r)
+            wanted.append(offset - 1)
+            owners.append((seq, len(r)))
         t0 = time.perf_counter()
         logits = self.decoder.forward(batch, torch.tensor(wanted, device=batch.tokens.device))
         now = time.perf_counter()
         emitted: dict[int, int] = {}
-        n_rows = {id(s): len(r) for s, r in zip(active, rows)}
-        for (seq, kind), row in zip(owners, logits):
-            if kind == "probe":
+        for (seq, fed_rows), row in zip(owners, logits):
+            if fed_rows is None:
                 seq.probe_logits = row.clone()
                 continue
-            seq.fed += n_rows[id(seq)]
+            seq.fed += fed_rows
             if seq.prefilling:
                 continue
             token = self._choose(seq, row)
@@ -182,15 +184,8 @@ class Lane:
             if len(seq.tokens) >= seq.max_new_tokens:
                 self._finish(seq, "length")
         self.steps += 1
-        record = StepRecord(
-            rows=int(batch.lengths.sum()), slots=len(active), step_ms=(now - t0) * 1000,
-            per_slot_tokens=emitted, context={s.slot: s.fed for s in active},
-        )
-        if self.step_log:
-            self.step_log({"lane": self.name, "step": self.steps, "slots": record.slots, "rows": record.rows,
-                           "step_ms": round(record.step_ms, 3), "tokens": record.per_slot_tokens,
-                           "context": record.context})
-        return record
+        return StepRecord(rows=offset, slots=len(active), step_ms=(now - t0) * 1000,
+                          per_slot_tokens=emitted, context={s.slot: s.fed for s in active})
 
     def run_until_idle(self) -> None:
         while self.busy:

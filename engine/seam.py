@@ -18,30 +18,41 @@ import torch.nn.functional as F
 
 @dataclass
 class StepBatch:
+    """One step's rows. Everything attention needs per layer is computed once, here."""
+
     slots: torch.Tensor  # [S] cache slot of each sequence
     tokens: torch.Tensor  # [S, T] new token ids, padded on the right
     positions: torch.Tensor  # [S, T] absolute positions of those tokens
     lengths: torch.Tensor  # [S] real rows per sequence (1..T)
+    valid: torch.Tensor  # [S, T] True for real rows
+    uniform: bool  # every sequence has T real rows (no padding)
+    first_slot: int | None  # the slots are first_slot, first_slot + 1, ... (a view, no gather)
+    row_slots: torch.Tensor  # [R] slot of each real row
+    row_positions: torch.Tensor  # [R] position of each real row
+    kv_len: int  # cache positions any row attends to
+    causal_mask: torch.Tensor  # [S, 1, T, kv_len] row may attend to position
 
     @classmethod
     def build(cls, slots: list[int], rows: list[list[int]], starts: list[int], device="cpu") -> "StepBatch":
         """``rows[s]`` are the new tokens of sequence s, the first at position ``starts[s]``."""
-        width = max(len(r) for r in rows)
-        tokens = torch.zeros(len(rows), width, dtype=torch.long)
-        for s, r in enumerate(rows):
-            tokens[s, : len(r)] = torch.tensor(r, dtype=torch.long)
-        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
-        positions = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(width)[None, :]
-        return cls(torch.tensor(slots, dtype=torch.long).to(device), tokens.to(device), positions.to(device),
-                   lengths.to(device))
-
-    @property
-    def uniform(self) -> bool:
-        return bool((self.lengths == self.tokens.shape[1]).all())
-
-    @property
-    def valid(self) -> torch.Tensor:  # [S, T]
-        return torch.arange(self.tokens.shape[1], device=self.tokens.device)[None, :] < self.lengths[:, None]
+        counts = [len(r) for r in rows]
+        width = max(counts)
+        uniform = min(counts) == width
+        tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+        lengths = torch.tensor(counts, dtype=torch.long, device=device)
+        positions = torch.tensor(starts, dtype=torch.long, device=device)[:, None] + torch.arange(width, device=device)
+        valid = torch.arange(width, device=device)[None, :] < lengths[:, None]
+        slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        kv_len = max(start + n for start, n in zip(starts, counts))
+        mask = torch.arange(kv_len, device=device)[None, None, :] <= positions[:, :, None]
+        flat = (lambda x: x.reshape(-1)) if uniform else (lambda x: x[valid])
+        return cls(
+            slots=slot_t, tokens=tokens, positions=positions, lengths=lengths, valid=valid, uniform=uniform,
+            first_slot=slots[0] if contiguous else None,
+            row_slots=flat(slot_t[:, None].expand(-1, width)), row_positions=flat(positions),
+            kv_len=kv_len, causal_mask=mask[:, None],
+        )
 
     def flat(self, x: torch.Tensor) -> torch.Tensor:
         """[S, T, ...] -> [R, ...] keeping real rows only."""
@@ -66,12 +77,11 @@ class SlotKVCache:
         return self.k.numel() * self.k.element_size() * 2
 
 
-def _slot_view(cache: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
-    """cache[slots, :, :length] without a copy when the slots are a contiguous run."""
-    first = int(slots[0])
-    if torch.equal(slots, torch.arange(first, first + slots.numel(), device=slots.device)):
-        return cache[first : first + slots.numel(), :, :length]
-    return cache[:, :, :length].index_select(0, slots)  # copies only the live part
+def _slot_view(cache: torch.Tensor, batch: StepBatch, length: int) -> torch.Tensor:
+    """cache[batch.slots, :, :length], without a copy when the slots are a contiguous run."""
+    if batch.first_slot is not None:
+        return cache[batch.first_slot : batch.first_slot + batch.slots.numel(), :, :length]
+    return cache[:, :, :length].index_select(0, batch.slots)  # copies only the live part
 
 
 def _to_padded(rows: torch.Tensor, batch: StepBatch) -> torch.Tensor:
@@ -91,16 +101,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SlotKVCache
     q: [R, H, D]; k, v: [R, Hkv, D] for the new rows, written into the cache first.
     Returns [R, H * D].
     """
-    row_slots = batch.flat(batch.slots[:, None].expand_as(batch.tokens))
-    row_pos = batch.flat(batch.positions)
-    cache.k[layer, row_slots, :, row_pos] = k
-    cache.v[layer, row_slots, :, row_pos] = v
-    kv_len = int(batch.positions.max()) + 1
-    keys = _slot_view(cache.k[layer], batch.slots, kv_len)
-    values = _slot_view(cache.v[layer], batch.slots, kv_len)
-    mask = torch.arange(kv_len, device=q.device)[None, None, :] <= batch.positions[:, :, None]  # [S, T, L]
+    cache.k[layer, batch.row_slots, :, batch.row_positions] = k
+    cache.v[layer, batch.row_slots, :, batch.row_positions] = v
+    keys = _slot_view(cache.k[layer], batch, batch.kv_len)
+    values = _slot_view(cache.v[layer], batch, batch.kv_len)
     out = F.scaled_dot_product_attention(
-        _to_padded(q, batch), keys, values, attn_mask=mask[:, None], enable_gqa=keys.shape[1] != q.shape[1]
+        _to_padded(q, batch), keys, values, attn_mask=batch.causal_mask, enable_gqa=keys.shape[1] != q.shape[1]
     )  # [S, H, T, D]
     return batch.flat(out.transpose(1, 2)).flatten(1)
 
@@ -110,8 +116,8 @@ def attend_fixed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batc
 
     q: [R, H, D]; keys, values: [slots, H, M, D]. Returns [R, H * D].
     """
-    k = _slot_view(keys, batch.slots, keys.shape[2])
-    v = _slot_view(values, batch.slots, values.shape[2])
+    k = _slot_view(keys, batch, keys.shape[2])
+    v = _slot_view(values, batch, values.shape[2])
     out = F.scaled_dot_product_attention(_to_padded(q, batch), k, v)
     return batch.flat(out.transpose(1, 2)).flatten(1)
 

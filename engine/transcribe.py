@@ -1,82 +1,104 @@
-"""Transcribe one file or clip: audio -> log-mel -> 30-second windows -> text segments."""
+"""Transcribe one file or clip: audio -> log-mel -> 30-second windows -> text segments.
+
+The plan (language, prompt, windows) and the assembly of window results into a transcript are
+shared by the reference path here and the batched engine (:mod:`engine.requests`), so both
+apply the same rules.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from engine.audio import SAMPLE_RATE, load_audio
 from engine.errors import CadenceError, RequestError
-from engine.loading import LoadedModel
-from engine.whisper_features import FRAMES_PER_SECOND, WINDOW_FRAMES, log_mel, pad_window, windows
 from engine.transcript import Segment, Transcript
-from engine.whisper_reference import WhisperReference
+from engine.whisper_features import FRAMES_PER_SECOND, WINDOW_FRAMES, log_mel, pad_window, windows
+from engine.whisper_reference import WhisperReference, WindowResult
+from engine.whisper_tokens import WhisperTokenizer
 
 NO_SPEECH_THRESHOLD = 0.6  # skip a window the model calls silent ...
 LOGPROB_THRESHOLD = -1.0  # ... unless its words were confident anyway (faster-whisper's defaults)
 
 
-def transcribe_samples(
-    decoder: WhisperReference,
-    samples: np.ndarray,
-    language: str | None = None,
-    task: str = "transcribe",
-    name: str = "",
-) -> Transcript:
-    """Greedy, no timestamps, each window decoded on its own (no previous-text conditioning)."""
-    tok = decoder.tok
+@dataclass
+class TranscriptionPlan:
+    """What is decided before decoding: the language, the prompt and the 30-second windows."""
+
+    name: str
+    language: str
+    prompt: list[int]
+    duration: float
+    spans: list[tuple[int, int, np.ndarray]]  # (first frame, frames of content, padded window)
+    started: float
+
+
+def check_language(tok: WhisperTokenizer, model_name: str, language: str | None, task: str) -> str | None:
+    """The language to decode in (None: detect it), or RequestError for an impossible request."""
     if task not in ("transcribe", "translate"):
         raise RequestError(f"Unknown task '{task}' (use transcribe or translate).")
     if not tok.multilingual:
         if language not in (None, "en"):
-            raise RequestError(f"{decoder.loaded.source.name} is English-only; it cannot transcribe '{language}'.")
+            raise RequestError(f"{model_name} is English-only; it cannot transcribe '{language}'.")
         if task == "translate":
-            raise RequestError(f"{decoder.loaded.source.name} is English-only; it cannot translate.")
-        language = "en"
-    elif language is not None and language not in tok.languages:
+            raise RequestError(f"{model_name} is English-only; it cannot translate.")
+        return "en"
+    if language is not None and language not in tok.languages:
         raise RequestError(f"Unknown language code '{language}'.")
+    return language
 
-    t0 = time.perf_counter()
-    n_mels = decoder.model.config.num_mel_bins
-    features = log_mel(samples, n_mels)
-    duration = samples.size / SAMPLE_RATE
+
+def plan_transcription(decoder: WhisperReference, samples: np.ndarray, language: str | None = None,
+                       task: str = "transcribe", name: str = "audio") -> TranscriptionPlan:
+    tok = decoder.tok
+    language = check_language(tok, decoder.loaded.source.name, language, task)
+    if samples.size < SAMPLE_RATE // 10:
+        raise CadenceError(f"{Path(name).name} is too short to transcribe ({samples.size / SAMPLE_RATE:.2f} s).")
+    started = time.perf_counter()
+    features = log_mel(samples, decoder.model.config.num_mel_bins)
     if language is None:
         language, _ = decoder.detect_language(decoder.encode(pad_window(features[:, :WINDOW_FRAMES])))
     prompt = tok.sot_sequence(language, task) + [tok.no_timestamps]
+    return TranscriptionPlan(name, language, prompt, samples.size / SAMPLE_RATE, list(windows(features)), started)
 
+
+def assemble_transcript(plan: TranscriptionPlan, tok: WhisperTokenizer, results: list[WindowResult]) -> Transcript:
+    """Window results, in window order, into segments; silent windows are skipped."""
     segments: list[Segment] = []
-    n_tokens = 0
-    for seek, size, window in windows(features):
-        result = decoder.decode(decoder.encode(window), prompt)
-        n_tokens += len(result.tokens)
+    for (seek, size, _), result in zip(plan.spans, results):
         if result.no_speech_prob > NO_SPEECH_THRESHOLD and result.avg_logprob <= LOGPROB_THRESHOLD:
             continue
         text = tok.decode(result.tokens).strip()
-        if not text:
-            continue
-        start = seek / FRAMES_PER_SECOND
-        end = min((seek + size) / FRAMES_PER_SECOND, duration)
-        segments.append(Segment(start, end, text, result.tokens))
-    seconds = time.perf_counter() - t0
+        if text:
+            end = min((seek + size) / FRAMES_PER_SECOND, plan.duration)
+            segments.append(Segment(seek / FRAMES_PER_SECOND, end, text, list(result.tokens)))
+    n_tokens = sum(len(r.tokens) for r in results)
+    seconds = time.perf_counter() - plan.started
     return Transcript(
-        file=name,
+        file=plan.name,
         text=" ".join(s.text for s in segments),
-        language=language,
-        duration=duration,
+        language=plan.language,
+        duration=plan.duration,
         segments=segments,
         stats={
             "tokens": n_tokens,
             "seconds": round(seconds, 3),
             "tok_s": round(n_tokens / seconds, 1) if seconds > 0 else 0.0,
-            "realtime_factor": round(duration / seconds, 1) if seconds > 0 else 0.0,
+            "realtime_factor": round(plan.duration / seconds, 1) if seconds > 0 else 0.0,
         },
     )
 
 
+def transcribe_samples(decoder: WhisperReference, samples: np.ndarray, language: str | None = None,
+                       task: str = "transcribe", name: str = "audio") -> Transcript:
+    """Greedy, no timestamps, each window decoded on its own (no previous-text conditioning)."""
+    plan = plan_transcription(decoder, samples, language, task, name)
+    results = [decoder.decode(decoder.encode(window), plan.prompt) for _, _, window in plan.spans]
+    return assemble_transcript(plan, decoder.tok, results)
+
+
 def transcribe_file(decoder: WhisperReference, path: str | Path, language=None, task="transcribe") -> Transcript:
-    samples = load_audio(path)
-    if samples.size < SAMPLE_RATE // 10:
-        raise CadenceError(f"{Path(path).name} is too short to transcribe ({samples.size / SAMPLE_RATE:.2f} s).")
-    return transcribe_samples(decoder, samples, language, task, name=str(path))
+    return transcribe_samples(decoder, load_audio(path), language, task, name=str(path))

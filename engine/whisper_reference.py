@@ -48,6 +48,10 @@ class WhisperReference:
         )
         return self.model.proj_out(out.last_hidden_state)[0].float(), out.cache
 
+    def no_speech_probability(self, sot_logits: torch.Tensor) -> float:
+        """P(no speech) from the logits at the start-of-transcript row."""
+        return float(torch.softmax(sot_logits.float(), -1)[self.tok.no_speech])
+
     @torch.inference_mode()
     def detect_language(self, encoded: torch.Tensor) -> tuple[str, float]:
         logits, _ = self._logits([self.tok.sot], encoded)
@@ -60,7 +64,7 @@ class WhisperReference:
     @torch.inference_mode()
     def decode(self, encoded: torch.Tensor, prompt: list[int], max_length: int = MAX_LENGTH) -> WindowResult:
         logits, cache = self._logits(prompt, encoded)
-        no_speech_prob = float(torch.softmax(logits[prompt.index(self.tok.sot)], -1)[self.tok.no_speech])
+        no_speech_prob = self.no_speech_probability(logits[prompt.index(self.tok.sot)])
         step = logits[-1]
         tokens: list[int] = []
         logprob_sum = 0.0

@@ -41,9 +41,8 @@ class LlamaBatched(BatchedDecoder):
     @torch.inference_mode()
     def forward(self, batch: StepBatch, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         tokens = batch.flat(batch.tokens)
-        positions = batch.flat(batch.positions)
         x = self.model.embed_tokens(tokens)  # [R, d]
-        cos, sin = self.model.rotary_emb(x[None], positions[None])
+        cos, sin = self.model.rotary_emb(x[None], batch.row_positions[None])
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [R, 1, D]
         R = x.shape[0]
         for i, layer in enumerate(self.model.layers):

@@ -49,8 +49,7 @@ class WhisperBatched(BatchedDecoder):
     @torch.inference_mode()
     def forward(self, batch: StepBatch, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         tokens = batch.flat(batch.tokens)
-        positions = batch.flat(batch.positions)
-        x = self.decoder.embed_tokens(tokens) + self.decoder.embed_positions.weight[positions]
+        x = self.decoder.embed_tokens(tokens) + self.decoder.embed_positions.weight[batch.row_positions]
         R = x.shape[0]
         shape = (R, self.heads, self.head_dim)
         for i, layer in enumerate(self.decoder.layers):

@@ -1,0 +1,45 @@
+"""What the benchmarks share: known speech made with espeak-ng, and faster-whisper on our weights."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. Meetings start at nine in the morning and end before lunch.",
+    "Please remember to send the quarterly report to the finance team by Friday afternoon.",
+    "We will review the budget numbers together next week and decide on the new hires for the spring.",
+    "Tomorrow will be cloudy with a chance of rain in the afternoon, so bring an umbrella to the office.",
+]
+
+
+def speech_samples(folder: Path, count: int) -> list:
+    """``count`` clips of 16 kHz mono speech, cycling through TEXTS."""
+    from engine.audio import load_audio
+
+    clips = []
+    for i in range(count):
+        raw, out = folder / f"speech{i}.raw.wav", folder / f"speech{i}.wav"
+        subprocess.run(["espeak-ng", "-w", str(raw), "-v", "en-us+f3", "-s", "130", TEXTS[i % len(TEXTS)]],
+                       check=True)
+        subprocess.run(["sox", str(raw), "-r", "16000", "-c", "1", str(out)], check=True)
+        clips.append(load_audio(out))
+    return clips
+
+
+def faster_whisper_model(name: str, folder: Path, threads: int):
+    """faster-whisper on the same float32 weights as Cadence (model parts joined into one model.bin)."""
+    from faster_whisper import WhisperModel
+
+    from engine.models import resolve
+
+    source = resolve(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "model.bin", "wb") as out:
+        for part in source.weights:
+            with open(part, "rb") as f:
+                shutil.copyfileobj(f, out)
+    for file in ("config.json", "tokenizer.json", "vocabulary.txt"):
+        shutil.copy(source.folder / file, folder / file)
+    return WhisperModel(str(folder), device="cpu", compute_type="float32", cpu_threads=threads)
