@@ -128,3 +128,17 @@ def test_lane_reports_bounded_cache_memory(engine4):
     lane = engine4._lanes["smollm2-135m-instruct"]
     assert lane.width == 4
     assert 0 < lane.decoder.cache_bytes < 4 * 2**30
+
+
+def test_cancelled_transcription_fails_once_and_the_engine_forgets_it(engine4, speech):
+    handle = engine4.submit(TranscribeRequest(speech["long"]))  # two windows
+    for event in handle:
+        if event.kind == "started":
+            handle.cancel()
+            break
+    with pytest.raises(CadenceError, match="cancelled"):
+        handle.result(300)
+    ok = engine4.submit(TranscribeRequest(speech["fox"])).result(300)
+    assert "fox" in ok.text.lower()
+    assert handle.events.empty()  # no second terminal event arrived after the first
+    assert not engine4._work  # ended requests hold no sequences (nor their logits)
