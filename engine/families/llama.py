@@ -1,15 +1,30 @@
 """Llama-family chat models (SmolLM2, Llama, Qwen2-style) on the batched seam.
 
-Uses the loaded transformers modules' weights and norms as they are, so numerics match the
-reference decoder; only attention and the cache are Cadence's.
+A lean forward pass: the loaded model's weights, fused per layer into one q/k/v and one
+gate/up matrix and prepared for the backend's kernels (engine/kernels.py); rotary tables computed
+once; attention and the cache are the seam's. No transformers module is called per step.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import Linear
 from engine.loading import LoadedModel
 from engine.seam import BatchedDecoder, SlotKVCache, StepBatch, attend
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: Linear
+    out: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -22,39 +37,61 @@ class LlamaBatched(BatchedDecoder):
 
     def __init__(self, loaded: LoadedModel, width: int, max_len: int = 2048):
         super().__init__(width)
-        self.hf = loaded.model
-        cfg = self.hf.config
-        self.model = self.hf.model
+        hf = loaded.model
+        cfg = hf.config
         self.vocab_size = cfg.vocab_size
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.max_len = min(max_len, cfg.max_position_embeddings)
-        p = next(self.hf.parameters())
+        self.eps = cfg.rms_norm_eps
+        self.hidden = cfg.hidden_size
+        self.embed = hf.model.embed_tokens.weight.detach()
+        self.layers = []
+        for layer in hf.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(
+                input_norm=layer.input_layernorm.weight.detach(),
+                qkv=Linear.fused([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
+                                 [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
+                out=Linear.of(a.o_proj),
+                post_norm=layer.post_attention_layernorm.weight.detach(),
+                gate_up=Linear.fused([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                down=Linear.of(mlp.down_proj),
+            ))
+        self.norm = hf.model.norm.weight.detach()
+        self.lm_head = Linear.of(hf.lm_head)
+        with torch.inference_mode():  # rotary tables for every position, as the model computes them
+            positions = torch.arange(self.max_len, device=self.embed.device)[None]
+            cos, sin = hf.model.rotary_emb(self.embed[:1][None], positions)
+        self.cos, self.sin = cos[0].to(self.embed.dtype), sin[0].to(self.embed.dtype)  # [max_len, D]
         self.cache = SlotKVCache(cfg.num_hidden_layers, width, self.kv_heads, self.max_len, self.head_dim,
-                                 p.dtype, p.device)
+                                 self.embed.dtype, self.embed.device)
+        self._split = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
+        self._ffn = cfg.intermediate_size
 
     @property
     def cache_bytes(self) -> int:
         return self.cache.nbytes
 
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (self.hidden,), weight, self.eps)
+
     @torch.inference_mode()
     def forward(self, batch: StepBatch, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
-        tokens = batch.flat(batch.tokens)
-        x = self.model.embed_tokens(tokens)  # [R, d]
-        cos, sin = self.model.rotary_emb(x[None], batch.row_positions[None])
-        cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [R, 1, D]
+        x = F.embedding(batch.flat(batch.tokens), self.embed)  # [R, d]
         R = x.shape[0]
-        for i, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(R, self.heads, self.head_dim)
-            k = attn.k_proj(h).view(R, self.kv_heads, self.head_dim)
-            v = attn.v_proj(h).view(R, self.kv_heads, self.head_dim)
+        cos = self.cos[batch.row_positions][:, None, :]  # [R, 1, D]
+        sin = self.sin[batch.row_positions][:, None, :]
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(self._norm(x, layer.input_norm)).split(self._split, dim=-1)
+            q = q.view(R, self.heads, self.head_dim)
+            k = k.view(R, self.kv_heads, self.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            x = x + attn.o_proj(attend(q, k, v, self.cache, i, batch))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + layer.out(attend(q, k, v.view(R, self.kv_heads, self.head_dim), self.cache, i, batch))
+            gate, up = layer.gate_up(self._norm(x, layer.post_norm)).split(self._ffn, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         if logit_rows is not None:
             x = x[logit_rows]
-        return self.hf.lm_head(self.model.norm(x)).float()
+        return self.lm_head(self._norm(x, self.norm)).float()
