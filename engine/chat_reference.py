@@ -14,7 +14,8 @@ import torch
 
 from engine.errors import RequestError
 from engine.loading import LoadedModel
-from engine.sampling import SamplingParams, pick_token
+from engine.sampling import SamplingParams, TokenPicker
+from engine.text_stream import TextStream
 
 
 @dataclass
@@ -65,7 +66,8 @@ class ChatReference:
                 f"The prompt is {len(prompt_ids)} tokens, more than this model's context of {self.context_length}."
             )
         max_new = min(params.max_tokens, self.context_length - len(prompt_ids))
-        generator = None if params.greedy else params.generator()
+        picker = TokenPicker(params, prompt_ids)
+        stream = TextStream(self.tokenizer, params.stop)
         t_start = time.perf_counter()
         out = self.model(input_ids=torch.tensor([prompt_ids], device=self.device), use_cache=True)
         cache, logits = out.cache, out.logits[0, -1]
@@ -73,14 +75,19 @@ class ChatReference:
         stamps: list[float] = []
         finish = "length"
         while len(tokens) < max_new:
-            token = pick_token(logits, params, generator)
+            token = picker.pick(logits)
             if token in self.stop_ids:
                 finish = "stop"
                 break
+            picker.observe(token)
             tokens.append(token)
             stamps.append(time.perf_counter())
-            if on_token:
-                on_token(token, self.tokenizer.decode([token]))
+            piece = stream.push(token)
+            if on_token and piece:
+                on_token(token, piece)
+            if stream.stopped:
+                finish = "stop"
+                break
             if len(tokens) == max_new:
                 break
             out = self.model(input_ids=torch.tensor([[token]], device=self.device), cache=cache, use_cache=True)
@@ -94,5 +101,7 @@ class ChatReference:
             "time_to_first_token": round(stamps[0] - t_start, 3) if stamps else None,
             "tok_s": round((len(tokens) - 1) / decode_s, 1) if decode_s > 0 else 0.0,
         }
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if on_token and (rest := stream.flush()):
+            on_token(tokens[-1], rest)
+        text = stream.text if stream.stopped else self.tokenizer.decode(tokens, skip_special_tokens=True)
         return ChatResult(text=text, tokens=tokens, finish_reason=finish, stats=stats)

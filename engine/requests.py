@@ -16,6 +16,7 @@ from engine.chat_reference import build_messages
 from engine.errors import RequestError
 from engine.models import CHAT, WHISPER
 from engine.scheduler import Sequence
+from engine.text_stream import TextStream
 from engine.transcribe import assemble_transcript, plan_transcription
 from engine.whisper_reference import WindowResult
 
@@ -30,15 +31,20 @@ def start_chat(engine, handle) -> list[Sequence]:
     ids = req.prompt_ids or ref.prompt_ids(build_messages(req.prompt, req.system, req.history))
     if len(ids) >= lane.decoder.max_len:
         raise RequestError(f"The prompt is {len(ids)} tokens, more than the {lane.decoder.max_len} a slot holds.")
-    tokenizer = ref.tokenizer
+    stream = TextStream(ref.tokenizer, params.stop)
 
-    def on_token(seq, token):
-        handle._emit(Event("delta", handle.id, text=tokenizer.decode([token]), tokens=[token]))
+    def on_token(seq, token) -> bool:
+        piece = stream.push(token)
+        handle._emit(Event("delta", handle.id, text=piece, tokens=[token]))
+        return stream.stopped  # a stop string ends the answer here
 
     def on_finish(seq):
+        rest = stream.flush()
+        if rest:
+            handle._emit(Event("delta", handle.id, text=rest))
         # A cancelled answer is still a result: the tokens produced so far, marked "cancelled".
         result = {
-            "text": tokenizer.decode(seq.tokens, skip_special_tokens=True),
+            "text": stream.text if stream.stopped else ref.tokenizer.decode(seq.tokens, skip_special_tokens=True),
             "tokens": list(seq.tokens),
             "finish_reason": seq.finish_reason,
             "stats": {"prompt_tokens": len(ids), **seq.timings()},

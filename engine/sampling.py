@@ -1,31 +1,62 @@
-"""Sampling settings shared by every decoder, with validation that speaks to the user."""
+"""Sampling settings and the per-sequence state that applies them, shared by every decoder.
+
+Order of the rules for one token: suppressed ids, then penalties (repetition over prompt and
+output, as in transformers; presence and frequency over the output, as in OpenAI's API), then
+temperature, top-k, top-p, min-p (relative to the most likely token), then a draw from the
+sequence's own seeded generator. Greedy (temperature 0) takes the argmax after the penalties.
+Each sequence carries its own :class:`TokenPicker`, so what it samples never depends on which
+other sequences share its batch.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.errors import RequestError
 
+MAX_STOP_STRINGS = 16
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
 
 @dataclass
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
+    top_p: float = 1.0  # 1 = off
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages any token already in prompt or output
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    stop: list[str] = field(default_factory=list)  # the answer ends before the first of these
     seed: int | None = None
     max_tokens: int = 256
 
     def validate(self) -> "SamplingParams":
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+        if not _number(self.temperature) or self.temperature < 0:
             raise RequestError(f"Temperature must be a number of 0 or more (got {self.temperature}).")
-        if not (0 < self.top_p <= 1):
+        if not _number(self.top_p) or not (0 < self.top_p <= 1):
             raise RequestError(f"top-p must be above 0 and at most 1 (got {self.top_p}).")
-        if self.top_k < 0:
-            raise RequestError(f"top-k must be 0 (off) or more (got {self.top_k}).")
-        if self.max_tokens < 1:
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RequestError(f"top-k must be 0 (off) or a whole number above 0 (got {self.top_k}).")
+        if not _number(self.min_p) or not (0 <= self.min_p < 1):
+            raise RequestError(f"min-p must be at least 0 and below 1 (got {self.min_p}).")
+        if not _number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise RequestError(f"The repetition penalty must be above 0; 1 is off (got {self.repetition_penalty}).")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _number(value) or not (-2 <= value <= 2):
+                raise RequestError(f"The {name.replace('_', ' ')} must be between -2 and 2 (got {value}).")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError(f"Stop strings must be at most {MAX_STOP_STRINGS} non-empty texts.")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise RequestError(f"max tokens must be at least 1 (got {self.max_tokens}).")
         return self
 
@@ -33,14 +64,58 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
     def generator(self) -> torch.Generator:
         g = torch.Generator()
         g.manual_seed(self.seed if self.seed is not None else torch.seed())
         return g
 
 
+class TokenPicker:
+    """One sequence's sampling state: its generator and the token counts its penalties need."""
+
+    def __init__(self, params: SamplingParams, prompt: list[int] | None = None):
+        self.params = params
+        self.generator = None if params.greedy else params.generator()
+        self._prompt = list(prompt or []) if params.repetition_penalty != 1 else []
+        self._seen: torch.Tensor | None = None  # token appeared in prompt or output
+        self._counts: torch.Tensor | None = None  # occurrences in the output
+
+    def _ensure_state(self, logits: torch.Tensor) -> None:
+        if self._counts is None:
+            self._counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
+            self._seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            if self._prompt:
+                self._seen[torch.tensor(self._prompt, device=logits.device)] = True
+
+    def penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        if not p.penalized:
+            return logits
+        self._ensure_state(logits)
+        logits = logits.float().clone()
+        if p.repetition_penalty != 1:
+            hit = logits[self._seen]
+            logits[self._seen] = torch.where(hit > 0, hit / p.repetition_penalty, hit * p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            logits -= p.presence_penalty * (self._counts > 0) + p.frequency_penalty * self._counts
+        return logits
+
+    def pick(self, logits: torch.Tensor) -> int:
+        return pick_token(self.penalize(logits), self.params, self.generator)
+
+    def observe(self, token: int) -> None:
+        """Record an emitted token (the penalties' memory)."""
+        if self.params.penalized and self._counts is not None:
+            self._counts[token] += 1
+            self._seen[token] = True
+
+
 def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Greedy argmax, or a sample from the tempered, top-k/top-p-filtered distribution."""
+    """Greedy argmax, or a draw from the tempered, top-k / top-p / min-p filtered distribution."""
     if params.greedy:
         return int(torch.argmax(logits))
     logits = logits.float() / params.temperature
@@ -54,5 +129,6 @@ def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
         drop = cumulative - sorted_probs >= params.top_p  # keep the smallest set reaching top_p
         sorted_probs[drop] = 0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-        probs /= probs.sum()
-    return int(torch.multinomial(probs, 1, generator=generator))
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0)
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from engine.sampling import SamplingParams, pick_token
+from engine.sampling import SamplingParams, TokenPicker
 from engine.seam import BatchedDecoder, StepBatch
 
 PREFILL_CHUNK = 64  # prompt rows a joining sequence feeds per step, so running slots keep moving
@@ -30,7 +30,7 @@ class Sequence:
     params: SamplingParams = field(default_factory=SamplingParams)
     suppress: torch.Tensor | None = None  # ids never emitted
     begin_suppress: torch.Tensor | None = None  # ids not emitted as the first token
-    on_token: Callable[["Sequence", int], None] | None = None
+    on_token: Callable[["Sequence", int], bool | None] | None = None  # returns True to stop here
     on_finish: Callable[["Sequence"], None] | None = None
     prepare: Callable[["Sequence", int], None] | None = None  # called with the slot on joining
     probe_row: int | None = None  # a prompt row whose logits are kept (Whisper's no-speech check)
@@ -48,11 +48,10 @@ class Sequence:
     t_submit: float = field(default_factory=time.perf_counter)
     t_join: float | None = None
     stamps: list[float] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    picker: TokenPicker | None = None
 
     def __post_init__(self):
-        if not self.params.greedy:
-            self.generator = self.params.generator()
+        self.picker = TokenPicker(self.params, self.prompt)
 
     @property
     def prefilling(self) -> bool:
@@ -135,9 +134,10 @@ class Lane:
             logits[seq.suppress] = -float("inf")
         if not seq.tokens and seq.begin_suppress is not None:
             logits[seq.begin_suppress] = -float("inf")
-        token = pick_token(logits, seq.params, seq.generator)
+        token = seq.picker.pick(logits)
         if seq.track_logprob:
             seq.logprob_sum += float(torch.log_softmax(logits, -1)[token])
+        seq.picker.observe(token)
         return token
 
     @torch.inference_mode()
@@ -179,9 +179,9 @@ class Lane:
             seq.tokens.append(token)
             seq.stamps.append(now)
             emitted[seq.slot] = 1
-            if seq.on_token:
-                seq.on_token(seq, token)
-            if len(seq.tokens) >= seq.max_new_tokens:
+            if seq.on_token and seq.on_token(seq, token):
+                self._finish(seq, "stop")
+            elif len(seq.tokens) >= seq.max_new_tokens:
                 self._finish(seq, "length")
         self.steps += 1
         return StepRecord(rows=offset, slots=len(active), step_ms=(now - t0) * 1000,

@@ -85,6 +85,33 @@ def smollm():
 
 
 @pytest.fixture(scope="session")
+def engine4():
+    """A running engine with 4 slots per lane, shared by the suite (models load once)."""
+    from engine.engine import Engine
+
+    eng = Engine(backend="cpu", batch=4)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def engine_off():
+    """The exact single-stream path: batching off."""
+    from engine.engine import Engine
+
+    eng = Engine(backend="cpu", batch="off")
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def chat_ref(smollm):
+    from engine.chat_reference import ChatReference
+
+    return ChatReference(smollm)
+
+
+@pytest.fixture(scope="session")
 def ct2_folder(session_dir):
     """A plain CTranslate2 folder for each built-in Whisper (parts joined), for faster-whisper."""
     from engine.models import resolve
