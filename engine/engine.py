@@ -8,6 +8,8 @@ this one API. Nothing here imports Qt.
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import queue
 import threading
 import time
@@ -22,7 +24,22 @@ from engine.errors import CadenceError
 from engine.models import CHAT, DEFAULT_CHAT, DEFAULT_WHISPER, WHISPER
 from engine.sampling import SamplingParams
 
-DEFAULT_WIDTH = 8
+BATCH_ENV = "CADENCE_BATCH"  # off | N | auto: overrides the calibrated width when no batch is given
+STEP_STATS_ENV = "CADENCE_STEP_STATS"  # FILE.jsonl: one line per step
+
+
+def parse_batch(value) -> str | int:
+    """'auto', 'off' or a width of at least 1; anything else gets a sentence."""
+    text = str(value).strip().lower()
+    if text in ("auto", "off"):
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise CadenceError(f"Batch must be auto, off or a whole number of slots (got '{value}').") from None
+    if n < 1:
+        raise CadenceError(f"Batch width must be at least 1 (got {n}).")
+    return n
 
 
 # ---------------------------------------------------------------------------- requests and events
@@ -109,30 +126,28 @@ class Handle:
 
 # ---------------------------------------------------------------------------- the engine
 class Engine:
-    def __init__(self, backend: str = "auto", batch: str | int = "auto", width: int | None = None):
+    """``batch``: 'auto' (calibrated width per model and device), 'off' (the exact single-stream
+    path: one slot) or a width N. None reads CADENCE_BATCH, else 'auto'."""
+
+    def __init__(self, backend: str = "auto", batch: str | int | None = None, step_log: str | Path | None = None):
         from engine.backend import resolve_backend
 
         self.device = resolve_backend(backend)
-        self.batch = batch
-        self.width = self._width(batch, width)
+        if batch is None:
+            self.batch, self.batch_source = parse_batch(os.environ.get(BATCH_ENV, "auto")), \
+                (BATCH_ENV if os.environ.get(BATCH_ENV) else "default")
+        else:
+            self.batch, self.batch_source = parse_batch(batch), "argument"
+        step_log = step_log or os.environ.get(STEP_STATS_ENV)
+        self._step_log = open(step_log, "a", buffering=1, encoding="utf-8") if step_log else None
         self._commands: queue.Queue = queue.Queue()
         self._references: dict[str, object] = {}  # model -> its reference decoder (template, token rules)
         self._lanes: dict[str, object] = {}
+        self._calibrations: dict[str, object] = {}
         self._work: dict[int, list] = {}  # handle id -> its sequences
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cadence-engine", daemon=True)
         self._thread.start()
-
-    @staticmethod
-    def _width(batch, width) -> int:
-        if str(batch).lower() == "off":
-            return 1
-        if str(batch).lower() == "auto":
-            return width or DEFAULT_WIDTH
-        n = int(batch)
-        if n < 1:
-            raise CadenceError(f"Batch width must be at least 1 (got {n}).")
-        return n
 
     # public API ---------------------------------------------------------------
     def submit(self, request) -> Handle:
@@ -150,11 +165,14 @@ class Engine:
         self._stop.set()
         self._commands.put(("stop", None))
         self._thread.join(timeout)
+        if self._step_log is not None:
+            self._step_log.close()
+            self._step_log = None
 
     def lane(self, model: str, family: str):
-        """The lane of a model, loading it on first use (engine thread only)."""
+        """The lane of a model, loading it (and calibrating its width) on first use (engine thread only)."""
         if model not in self._lanes:
-            from engine.loading import load
+            from engine.loading import load, source_key
             from engine.scheduler import Lane
 
             loaded = load(model, family=family, device=self.device)
@@ -162,15 +180,52 @@ class Engine:
                 from engine.chat_reference import ChatReference
                 from engine.families.llama import LlamaBatched
 
-                decoder, reference = LlamaBatched(loaded, self.width), ChatReference(loaded)
+                decoder, reference = LlamaBatched(loaded), ChatReference(loaded)
             else:
                 from engine.families.whisper import WhisperBatched
                 from engine.whisper_reference import WhisperReference
 
-                decoder, reference = WhisperBatched(loaded, self.width), WhisperReference(loaded)
+                decoder, reference = WhisperBatched(loaded), WhisperReference(loaded)
+            if self.batch == "auto":
+                from engine.calibration import calibrate
+
+                calibration = calibrate(decoder, loaded.source.name, source_key(loaded.source))
+                self._calibrations[model] = calibration
+                width = calibration.chosen
+            else:
+                width = 1 if self.batch == "off" else self.batch
+            decoder.allocate(width)
             self._references[model] = reference
-            self._lanes[model] = Lane(decoder, name=model)
+            self._lanes[model] = Lane(decoder, name=model, on_step=self._log_step)
         return self._lanes[model]
+
+    def _log_step(self, record) -> None:
+        if self._step_log is not None:
+            self._step_log.write(json.dumps({"t": round(time.time(), 4), **record.to_json()}) + "\n")
+
+    def status(self) -> dict:
+        """The engine at a glance, for the app's panel and the CLI: backend, batching, each lane's
+        width, calibration curve, cache memory, counters and what sits in which slot."""
+        from engine.backend import describe_backend
+
+        lanes = {}
+        for model, lane in list(self._lanes.items()):
+            calibration = self._calibrations.get(model)
+            lanes[model] = {
+                "family": lane.decoder.family,
+                "width": lane.width,
+                "width_from": "calibration" if calibration else ("batch off" if self.batch == "off" else self.batch_source),
+                "calibration": calibration.to_json() if calibration else None,
+                "cache_bytes": lane.decoder.cache_bytes,
+                "counters": lane.counters.to_json(),
+                "slots": [None if s is None else {"request": getattr(s.handle, "id", None), "window": s.index,
+                                                  "tokens": len(s.tokens), "context": s.fed,
+                                                  "preparing": s.preparing is not None}
+                          for s in list(lane.slots)],
+                "waiting": len(lane.waiting),
+            }
+        return {"backend": self.device, "backend_name": describe_backend(self.device), "batch": self.batch,
+                "batch_from": self.batch_source, "lanes": lanes}
 
     def reference(self, model: str):
         """The model's reference decoder, whose prompt and token rules requests reuse."""

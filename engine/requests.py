@@ -71,9 +71,11 @@ def start_transcription(engine, handle) -> list[Sequence]:
     results: dict[int, WindowResult] = {}
     handle._emit(Event("started", handle.id, total=len(plan.spans)))
 
-    def prepare(seq, slot):  # on joining a slot: encode this window into the slot's cross-attention memory
-        window = torch.from_numpy(plan.spans[seq.index][2])[None].to(decoder.cross_k.device, decoder.cross_k.dtype)
-        decoder.set_memory(slot, decoder.encode(window)[0])
+    def prepare(seq, slot):  # on joining a slot: encode this window into the slot's cross-attention memory,
+        # one encoder layer per step while other slots decode (a generator the lane advances)
+        window = torch.from_numpy(plan.spans[seq.index][2])[None].to(decoder.device, decoder.cross_k.dtype)
+        encoded = yield from decoder.encode_in_steps(window)
+        decoder.set_memory(slot, encoded[0])
 
     def on_finish(seq):
         if handle._final is not None:  # the request already failed or was cancelled

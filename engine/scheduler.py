@@ -3,6 +3,10 @@
 A lane owns one model's :class:`~engine.seam.BatchedDecoder` with ``width`` slots. Sequences wait
 in a queue, join a free slot at any step, prefill their prompt in chunks alongside the running
 slots' decode rows, and leave when finished or cancelled. Each step is one forward pass.
+
+Work a sequence needs before its prompt (Whisper: encoding its 30-s window) is a generator the
+lane advances one piece per step while other slots decode, so a joining window stalls the
+running ones by one encoder layer, not a whole encoder; the time it takes is in the step record.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -32,13 +36,15 @@ class Sequence:
     begin_suppress: torch.Tensor | None = None  # ids not emitted as the first token
     on_token: Callable[["Sequence", int], bool | None] | None = None  # returns True to stop here
     on_finish: Callable[["Sequence"], None] | None = None
-    prepare: Callable[["Sequence", int], None] | None = None  # called with the slot on joining
+    # Called with the slot on joining; may return a generator of work pieces to run before the prompt.
+    prepare: Callable[["Sequence", int], Iterator | None] | None = None
     probe_row: int | None = None  # a prompt row whose logits are kept (Whisper's no-speech check)
     track_logprob: bool = False  # sum the chosen tokens' log-probabilities (Whisper's quality check)
     handle: object | None = None  # the request this sequence belongs to
     index: int = 0  # its place within that request (Whisper: the window number)
     # state
     slot: int = -1
+    preparing: Iterator | None = None  # unfinished preparation work
     fed: int = 0  # tokens already in the cache
     tokens: list[int] = field(default_factory=list)
     probe_logits: torch.Tensor | None = None
@@ -78,21 +84,76 @@ class Sequence:
 
 @dataclass
 class StepRecord:
-    rows: int
-    slots: int
-    step_ms: float
-    per_slot_tokens: dict[int, int]
-    context: dict[int, int]
+    """What one step did; one line of the step log (CADENCE_STEP_STATS)."""
+
+    lane: str
+    step: int
+    width: int
+    slots: int  # sequences in this forward pass
+    rows: int  # rows in this forward pass (decode rows + prompt chunks)
+    prefill_rows: int  # of which prompt rows
+    step_ms: float  # the forward pass and the token choices
+    prepare_ms: float  # joining sequences' preparation run in this step (Whisper's encoder)
+    preparing: int  # sequences still preparing after this step
+    waiting: int  # sequences queued for a slot
+    tokens: dict[int, int]  # slot -> tokens emitted
+    context: dict[int, int]  # slot -> positions in its cache
+
+    def to_json(self) -> dict:
+        return {"lane": self.lane, "step": self.step, "width": self.width, "slots": self.slots, "rows": self.rows,
+                "prefill_rows": self.prefill_rows, "step_ms": round(self.step_ms, 3),
+                "prepare_ms": round(self.prepare_ms, 3), "preparing": self.preparing, "waiting": self.waiting,
+                "tokens": {str(k): v for k, v in self.tokens.items()},
+                "context": {str(k): v for k, v in self.context.items()}}
+
+
+@dataclass
+class LaneCounters:
+    """Running totals for a lane, cheap to read from any thread."""
+
+    steps: int = 0
+    busy_slot_steps: int = 0  # sum over steps of sequences in the forward pass
+    rows: int = 0
+    tokens: int = 0
+    step_ms_total: float = 0.0
+    step_ms_max: float = 0.0
+    prepare_ms_total: float = 0.0
+    prepare_ms_max: float = 0.0
+    last_step_ms: float = 0.0
+
+    def add(self, record: StepRecord) -> None:
+        self.steps += 1
+        self.busy_slot_steps += record.slots
+        self.rows += record.rows
+        self.tokens += sum(record.tokens.values())
+        self.step_ms_total += record.step_ms
+        self.step_ms_max = max(self.step_ms_max, record.step_ms)
+        self.prepare_ms_total += record.prepare_ms
+        self.prepare_ms_max = max(self.prepare_ms_max, record.prepare_ms)
+        self.last_step_ms = record.step_ms
+
+    def to_json(self) -> dict:
+        n = max(self.steps, 1)
+        return {"steps": self.steps, "tokens": self.tokens, "rows": self.rows,
+                "mean_busy_slots": round(self.busy_slot_steps / n, 3),
+                "mean_step_ms": round(self.step_ms_total / n, 3), "max_step_ms": round(self.step_ms_max, 3),
+                "last_step_ms": round(self.last_step_ms, 3), "prepare_ms_total": round(self.prepare_ms_total, 3),
+                "max_prepare_ms": round(self.prepare_ms_max, 3)}
 
 
 class Lane:
-    def __init__(self, decoder: BatchedDecoder, name: str = ""):
+    def __init__(self, decoder: BatchedDecoder, name: str = "", on_step: Callable[[StepRecord], None] | None = None):
         self.decoder = decoder
         self.name = name
         self.width = decoder.width
         self.slots: list[Sequence | None] = [None] * self.width
         self.waiting: deque[Sequence] = deque()
-        self.steps = 0
+        self.counters = LaneCounters()
+        self.on_step = on_step
+
+    @property
+    def steps(self) -> int:
+        return self.counters.steps
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -109,6 +170,7 @@ class Lane:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
+        seq.preparing = None
         if seq.slot >= 0 and self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None
         if seq.on_finish:
@@ -122,12 +184,27 @@ class Lane:
                 continue
             seq.slot = self.slots.index(None)
             seq.t_join = time.perf_counter()
-            if seq.prepare:
-                seq.prepare(seq, seq.slot)
             self.slots[seq.slot] = seq
+            if seq.prepare:
+                seq.preparing = seq.prepare(seq, seq.slot)
             if seq.max_new_tokens == 0:
                 self._finish(seq, "length")
 
+    def _prepare(self) -> None:
+        """Advance joining sequences' preparation: one piece while others decode, else until one is ready."""
+        pending = [s for s in self.slots if s is not None and s.preparing is not None]
+        if not pending:
+            return
+        someone_decoding = len(pending) < sum(s is not None for s in self.slots)
+        for seq in pending:
+            while seq.preparing is not None:
+                try:
+                    next(seq.preparing)
+                except StopIteration:
+                    seq.preparing = None
+                if someone_decoding:
+                    return
+            someone_decoding = True  # this one is ready now and will decode in this step
     # ------------------------------------------------------------------ step
     def _choose(self, seq: Sequence, logits: torch.Tensor) -> int:
         if seq.suppress is not None:
@@ -142,16 +219,20 @@ class Lane:
 
     @torch.inference_mode()
     def step(self) -> StepRecord | None:
-        """Admit waiting sequences, run one forward pass over every busy slot, emit tokens."""
+        """Admit waiting sequences, advance their preparation, run one forward pass over every
+        ready slot, emit tokens."""
         for seq in list(s for s in self.slots if s is not None and s.cancelled):
             self._finish(seq, "cancelled")
         self._admit()
-        active = [s for s in self.slots if s is not None]
+        t_prepare = time.perf_counter()
+        self._prepare()
+        prepare_ms = (time.perf_counter() - t_prepare) * 1000
+        active = [s for s in self.slots if s is not None and s.preparing is None]
         if not active:
             return None
         rows = [s.next_rows() for s in active]
-        batch = StepBatch.build([s.slot for s in active], rows, [s.fed for s in active],
-                                device=self.decoder.cache.k.device)
+        prefill_rows = sum(len(r) for s, r in zip(active, rows) if s.prefilling)
+        batch = StepBatch.build([s.slot for s in active], rows, [s.fed for s in active], device=self.decoder.device)
         # Logits are computed only for each sequence's last row (plus a probe row where asked).
         wanted, owners, offset = [], [], 0
         for seq, r in zip(active, rows):
@@ -183,9 +264,16 @@ class Lane:
                 self._finish(seq, "stop")
             elif len(seq.tokens) >= seq.max_new_tokens:
                 self._finish(seq, "length")
-        self.steps += 1
-        return StepRecord(rows=offset, slots=len(active), step_ms=(now - t0) * 1000,
-                          per_slot_tokens=emitted, context={s.slot: s.fed for s in active})
+        record = StepRecord(
+            lane=self.name, step=self.counters.steps, width=self.width, slots=len(active), rows=offset,
+            prefill_rows=prefill_rows,
+            step_ms=(time.perf_counter() - t0) * 1000, prepare_ms=prepare_ms,
+            preparing=sum(1 for s in self.slots if s is not None and s.preparing is not None),
+            waiting=len(self.waiting), tokens=emitted, context={s.slot: s.fed for s in active})
+        self.counters.add(record)
+        if self.on_step:
+            self.on_step(record)
+        return record
 
     def run_until_idle(self) -> None:
         while self.busy:

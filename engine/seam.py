@@ -123,14 +123,25 @@ def attend_fixed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batc
 
 
 class BatchedDecoder(ABC):
-    """A model family's decoder behind the seam: slots, a KV cache, and one batched step."""
+    """A model family's decoder behind the seam: slots, a KV cache, and one batched step.
+
+    The weights are prepared once; :meth:`allocate` (re)builds the per-slot memory for a width,
+    so calibration can time several widths without preparing the weights again.
+    """
 
     family: str
     vocab_size: int
     max_len: int  # positions per slot (prompt and output together)
+    width: int = 0
 
-    def __init__(self, width: int):
+    def allocate(self, width: int, max_len: int | None = None) -> None:
+        """Give the decoder ``width`` slots of ``max_len`` positions (the model's limit by default)."""
         self.width = width
+        self._allocate(width, max_len or self.max_len)
+
+    @abstractmethod
+    def _allocate(self, width: int, max_len: int) -> None:
+        """Build the caches (and any other per-slot memory) for ``width`` slots."""
 
     @abstractmethod
     def forward(self, batch: StepBatch, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -140,3 +151,12 @@ class BatchedDecoder(ABC):
     @abstractmethod
     def cache_bytes(self) -> int:
         """Memory held by this lane's caches, in bytes."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.k.device
+
+    @property
+    @abstractmethod
+    def slot_bytes(self) -> int:
+        """Memory one slot needs at the model's full length, in bytes (bounds the width)."""

@@ -35,8 +35,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaBatched(BatchedDecoder):
     family = "chat"
 
-    def __init__(self, loaded: LoadedModel, width: int, max_len: int = 2048):
-        super().__init__(width)
+    def __init__(self, loaded: LoadedModel, width: int = 1, max_len: int = 2048):
         hf = loaded.model
         cfg = hf.config
         self.vocab_size = cfg.vocab_size
@@ -65,14 +64,22 @@ class LlamaBatched(BatchedDecoder):
             positions = torch.arange(self.max_len, device=self.embed.device)[None]
             cos, sin = hf.model.rotary_emb(self.embed[:1][None], positions)
         self.cos, self.sin = cos[0].to(self.embed.dtype), sin[0].to(self.embed.dtype)  # [max_len, D]
-        self.cache = SlotKVCache(cfg.num_hidden_layers, width, self.kv_heads, self.max_len, self.head_dim,
-                                 self.embed.dtype, self.embed.device)
         self._split = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
         self._ffn = cfg.intermediate_size
+        self.allocate(width)
+
+    def _allocate(self, width: int, max_len: int) -> None:
+        self.cache = None  # release the old cache before building the new one
+        self.cache = SlotKVCache(len(self.layers), width, self.kv_heads, max_len, self.head_dim,
+                                 self.embed.dtype, self.embed.device)
 
     @property
     def cache_bytes(self) -> int:
         return self.cache.nbytes
+
+    @property
+    def slot_bytes(self) -> int:
+        return 2 * len(self.layers) * self.kv_heads * self.max_len * self.head_dim * self.embed.element_size()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (self.hidden,), weight, self.eps)

@@ -8,6 +8,7 @@ product is about twice the default on CPU even at 1500 rows).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +49,7 @@ def _norm_of(module: torch.nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
 class WhisperBatched(BatchedDecoder):
     family = "whisper"
 
-    def __init__(self, loaded: LoadedModel, width: int):
-        super().__init__(width)
+    def __init__(self, loaded: LoadedModel, width: int = 1):
         hf = loaded.model
         cfg = hf.config
         decoder = hf.model.decoder
@@ -98,10 +98,14 @@ class WhisperBatched(BatchedDecoder):
             ))
         self.final_norm = _norm_of(decoder.layer_norm)
         self.proj_out = Linear(hf.proj_out.weight)
-        dtype, device = self.embed.dtype, self.embed.device
-        n = len(self.layers)
-        self.cache = SlotKVCache(n, width, self.heads, self.max_len, self.head_dim, dtype, device)
-        memory = (n, width, self.heads, cfg.max_source_positions, self.head_dim)
+        self.memory_len = cfg.max_source_positions
+        self.allocate(width)
+
+    def _allocate(self, width: int, max_len: int) -> None:
+        dtype, device, n = self.embed.dtype, self.embed.device, len(self.layers)
+        self.cache = self.cross_k = self.cross_v = None  # release the old memory first
+        self.cache = SlotKVCache(n, width, self.heads, max_len, self.head_dim, dtype, device)
+        memory = (n, width, self.heads, self.memory_len, self.head_dim)
         self.cross_k = torch.zeros(memory, dtype=dtype, device=device)
         self.cross_v = torch.zeros(memory, dtype=dtype, device=device)
 
@@ -109,22 +113,42 @@ class WhisperBatched(BatchedDecoder):
     def cache_bytes(self) -> int:
         return self.cache.nbytes + 2 * self.cross_k.numel() * self.cross_k.element_size()
 
+    @property
+    def slot_bytes(self) -> int:
+        per_position = 2 * len(self.layers) * self.heads * self.head_dim * self.embed.element_size()
+        return per_position * (self.max_len + self.memory_len)
+
     def _norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return F.layer_norm(x, (self.d_model,), norm[0], norm[1], self.eps)
 
-    @torch.inference_mode()
-    def encode(self, windows: torch.Tensor) -> torch.Tensor:
-        """[n, mels, 3000] log-mel windows -> [n, 1500, d] encoder states."""
-        x = F.gelu(self.conv2(F.gelu(self.conv1(windows)))).transpose(1, 2)  # [n, M, d]
-        n, M, d = x.shape
-        x = (x + self.encoder_positions[:M]).reshape(n * M, d)
+    def encode_in_steps(self, windows: torch.Tensor) -> Iterator[None]:
+        """The encoder as a generator that pauses after the convolutions and after each layer, so a
+        lane can interleave a joining window's encoding with the running slots' decode steps.
+        Returns (as the generator's value) the [n, 1500, d] encoder states of [n, mels, 3000] windows."""
+        with torch.inference_mode():
+            x = F.gelu(self.conv2(F.gelu(self.conv1(windows)))).transpose(1, 2)  # [n, M, d]
+            n, M, d = x.shape
+            x = (x + self.encoder_positions[:M]).reshape(n * M, d)
+        yield
         H, D = self.encoder_heads, d // self.encoder_heads
         for layer in self.encoder_layers:
-            qkv = layer.qkv(self._norm(x, layer.attn_norm)).view(n, M, 3, H, D).permute(2, 0, 3, 1, 4)
-            attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # [n, H, M, D]
-            x = x + layer.out(attn.transpose(1, 2).reshape(n * M, d))
-            x = x + layer.fc2(F.gelu(layer.fc1(self._norm(x, layer.ffn_norm))))
-        return self._norm(x, self.encoder_norm).view(n, M, d)
+            with torch.inference_mode():
+                qkv = layer.qkv(self._norm(x, layer.attn_norm)).view(n, M, 3, H, D).permute(2, 0, 3, 1, 4)
+                attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # [n, H, M, D]
+                x = x + layer.out(attn.transpose(1, 2).reshape(n * M, d))
+                x = x + layer.fc2(F.gelu(layer.fc1(self._norm(x, layer.ffn_norm))))
+            yield
+        with torch.inference_mode():
+            return self._norm(x, self.encoder_norm).view(n, M, d)
+
+    def encode(self, windows: torch.Tensor) -> torch.Tensor:
+        """[n, mels, 3000] log-mel windows -> [n, 1500, d] encoder states, in one go."""
+        steps = self.encode_in_steps(windows)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
 
     @torch.inference_mode()
     def set_memory(self, slot: int, encoded: torch.Tensor) -> None:

@@ -1,0 +1,151 @@
+"""Choosing a lane's batch width by measuring this machine.
+
+On a model's first load with batching on ``auto``, time one decode step at widths 1, 2, 4, 8, 16
+and on (32, 64, ... while a width still qualifies), as far as memory allows, each slot holding a typical
+history. Aggregate speed is width / step time; a slot's own speed is 1 / step time. The chosen
+width maximizes aggregate speed among the widths where each slot keeps at least half of its
+single-stream speed. The curve and the choice are cached per model file, device and PyTorch
+version, so later loads start at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from engine.paths import cache_dir
+from engine.seam import BatchedDecoder, StepBatch
+
+CALIBRATION_VERSION = 1
+WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+ALWAYS_MEASURED = 16  # widths up to this are always measured (memory permitting)
+HISTORY = 128  # cache positions each slot holds while its step is timed
+WARMUP_STEPS = 2
+TIMED_STEPS = 7
+MIN_SLOT_SHARE = 0.5  # each slot keeps at least this share of single-stream speed
+MEMORY_SHARE = 0.25  # at most this share of the device's memory goes to one lane's caches
+
+
+@dataclass
+class Calibration:
+    model: str
+    device: str
+    widths: list[int] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    chosen: int = 1
+    memory_limit_width: int = 0  # the widest lane the memory share allows at the model's full length
+    seconds: float = 0.0  # how long measuring took
+    from_cache: bool = False
+
+    @property
+    def aggregate_tok_s(self) -> list[float]:
+        return [round(w * 1000 / ms, 1) for w, ms in zip(self.widths, self.step_ms)]
+
+    @property
+    def per_slot_tok_s(self) -> list[float]:
+        return [round(1000 / ms, 1) for ms in self.step_ms]
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["aggregate_tok_s"] = self.aggregate_tok_s
+        out["per_slot_tok_s"] = self.per_slot_tok_s
+        return out
+
+
+def device_identity(device: torch.device | str) -> str:
+    """What the measurement depends on: the processor (or GPU) and the threads PyTorch uses."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    if device.type == "mps":
+        return f"mps:{platform.machine()}"
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"cpu:{name}:{torch.get_num_threads()}threads"
+
+
+def device_memory(device: torch.device | str) -> int:
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
+
+
+def choose_width(widths: list[int], step_ms: list[float], limit: int | None = None) -> int:
+    """Widest-aggregate width among those keeping each slot at half its single-stream speed."""
+    single = 1000 / step_ms[0]
+    best, best_aggregate = widths[0], 0.0
+    for w, ms in zip(widths, step_ms):
+        if limit and w > limit:
+            continue
+        if 1000 / ms >= MIN_SLOT_SHARE * single and w * 1000 / ms > best_aggregate:
+            best, best_aggregate = w, w * 1000 / ms
+    return best
+
+
+def time_step(decoder: BatchedDecoder, width: int) -> float:
+    """Median milliseconds of one decode step with ``width`` busy slots of HISTORY positions."""
+    decoder.allocate(width, HISTORY + WARMUP_STEPS + TIMED_STEPS + 1)
+    slots = list(range(width))
+    every_row = torch.arange(width, device=decoder.device)
+    times = []
+    for i in range(WARMUP_STEPS + TIMED_STEPS):
+        batch = StepBatch.build(slots, [[1]] * width, [HISTORY + i] * width, device=decoder.device)
+        if decoder.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        logits = decoder.forward(batch, every_row)
+        logits.argmax(-1).tolist()  # the token choice, and on a GPU the wait for the result
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times[WARMUP_STEPS:])
+
+
+def _cache_file(model_key: str, device: str):
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{model_key}-{device}")
+    return cache_dir() / "calibration" / f"v{CALIBRATION_VERSION}-torch{torch.__version__}-{safe}.json"
+
+
+def calibrate(decoder: BatchedDecoder, model: str, model_key: str, use_cache: bool = True) -> Calibration:
+    """The measured curve and chosen width for this model on this device (cached)."""
+    device = device_identity(decoder.device)
+    path = _cache_file(model_key, device)
+    if use_cache and path.exists():
+        try:
+            data = json.loads(path.read_text())
+            data.pop("aggregate_tok_s", None)
+            data.pop("per_slot_tok_s", None)
+            return Calibration(**{**data, "from_cache": True})
+        except (ValueError, TypeError):
+            pass  # a damaged cache file is measured again
+    limit = max(1, int(device_memory(decoder.device) * MEMORY_SHARE) // max(decoder.slot_bytes, 1))
+    result = Calibration(model=model, device=device, memory_limit_width=limit)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for width in WIDTHS:
+            if width > limit and width > 1:
+                break
+            result.widths.append(width)
+            result.step_ms.append(round(time_step(decoder, width), 3))
+            if width >= ALWAYS_MEASURED and 1000 / result.step_ms[-1] < MIN_SLOT_SHARE * 1000 / result.step_ms[0]:
+                break  # slots are below half speed now; wider only gets slower per slot
+    result.seconds = round(time.perf_counter() - t0, 2)
+    result.chosen = choose_width(result.widths, result.step_ms, limit)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result.to_json(), indent=1))
+    tmp.replace(path)
+    return result

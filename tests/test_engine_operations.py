@@ -1,0 +1,152 @@
+"""How the engine chooses and reports its work: width calibration, CADENCE_BATCH, the step log,
+counters, and joining windows whose preparation is interleaved with running slots."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.calibration import MIN_SLOT_SHARE, calibrate, choose_width
+from engine.engine import ChatRequest, Engine, TranscribeRequest, parse_batch
+from engine.errors import CadenceError
+from engine.families.whisper import WhisperBatched
+from engine.loading import source_key
+from engine.sampling import SamplingParams
+from engine.scheduler import Lane, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+SILENCE = np.zeros(16000, dtype=np.float32)
+
+
+def test_choose_width_keeps_half_single_stream_speed():
+    widths = [1, 2, 4, 8, 16, 32]
+    step_ms = [10.0, 10.5, 11.0, 14.0, 19.0, 30.0]  # per slot: 100, 95, 91, 71, 53, 33 tok/s
+    assert choose_width(widths, step_ms) == 16  # 32 has the best aggregate but 33 < 50 tok/s per slot
+    assert choose_width(widths, step_ms, limit=8) == 8  # memory allows 8 at most
+    assert choose_width([1, 2], [10.0, 25.0]) == 1  # 2 slots at 40 tok/s each are below half speed
+
+
+def test_calibration_measures_a_curve_chooses_by_the_rule_and_is_cached(tiny):
+    decoder = WhisperBatched(tiny)
+    first = calibrate(decoder, "whisper-tiny.en", "test-" + source_key(tiny.source), use_cache=False)
+    assert first.widths[:5] == [1, 2, 4, 8, 16] and len(first.widths) == len(first.step_ms)
+    assert all(ms > 0 for ms in first.step_ms)
+    chosen = first.widths.index(first.chosen)
+    assert 1000 / first.step_ms[chosen] >= MIN_SLOT_SHARE * 1000 / first.step_ms[0]
+    assert first.chosen == choose_width(first.widths, first.step_ms, first.memory_limit_width)
+    again = calibrate(decoder, "whisper-tiny.en", "test-" + source_key(tiny.source))
+    assert again.from_cache and again.step_ms == first.step_ms and again.chosen == first.chosen
+
+
+def test_auto_engine_uses_the_calibrated_width_and_reports_it(tiny):
+    engine = Engine(backend="cpu", batch="auto")
+    try:
+        engine.submit(TranscribeRequest(SILENCE, model="whisper-tiny.en")).result(300)
+        lane = engine.status()["lanes"]["whisper-tiny.en"]
+        assert lane["width_from"] == "calibration"
+        assert lane["width"] == lane["calibration"]["chosen"]
+        assert lane["calibration"]["aggregate_tok_s"][0] == lane["calibration"]["per_slot_tok_s"][0]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("env,width", [("3", 3), ("off", 1)])
+def test_cadence_batch_environment_sets_the_width(monkeypatch, env, width):
+    monkeypatch.setenv("CADENCE_BATCH", env)
+    engine = Engine(backend="cpu")
+    try:
+        engine.submit(TranscribeRequest(SILENCE, model="whisper-tiny.en")).result(300)
+        status = engine.status()
+        assert status["batch_from"] == "CADENCE_BATCH"
+        assert status["lanes"]["whisper-tiny.en"]["width"] == width
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "many", "1.5"])
+def test_bad_batch_values_get_a_sentence(monkeypatch, value):
+    with pytest.raises(CadenceError, match="Batch"):
+        parse_batch(value)
+    monkeypatch.setenv("CADENCE_BATCH", value)
+    with pytest.raises(CadenceError, match="Batch"):
+        Engine(backend="cpu")
+
+
+def test_step_log_and_counters_agree_with_the_results(tmp_path):
+    log = tmp_path / "steps.jsonl"
+    engine = Engine(backend="cpu", batch=4, step_log=log)
+    try:
+        params = SamplingParams(max_tokens=12)
+        handles = [engine.submit(ChatRequest(p, params=params)) for p in ("Name a bird.", "Name a tree.", "Hi!")]
+        produced = sum(len(h.result(300)["tokens"]) for h in handles)
+        counters = engine.status()["lanes"]["smollm2-135m-instruct"]["counters"]
+    finally:
+        engine.shutdown()
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(len(lines)))
+    assert sum(sum(r["tokens"].values()) for r in lines) == produced == counters["tokens"]
+    assert counters["steps"] == len(lines)
+    assert max(r["slots"] for r in lines) == 3 and all(r["width"] == 4 for r in lines)
+    assert all(r["rows"] >= r["slots"] and r["step_ms"] > 0 for r in lines)
+    assert sum(r["prefill_rows"] for r in lines) > 0
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "analyze_steps.py"), str(log), "--json",
+                          "--out", str(tmp_path / "plots")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout)["smollm2-135m-instruct"]
+    assert summary["steps"] == len(lines) and summary["tokens"] == produced
+    for name in ("steps-timeline.png", "steps-step-ms.png", "steps-slots.png"):
+        png = tmp_path / "plots" / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _Decoder:
+    """A stand-in decoder for the lane's bookkeeping test only (the real ones are tested elsewhere)."""
+
+    family, vocab_size, max_len, width = "test", 8, 64, 2
+    device = "cpu"
+
+    def forward(self, batch, logit_rows):
+        import torch
+
+        logits = torch.zeros(len(logit_rows), self.vocab_size)
+        logits[:, 3] = 1.0
+        return logits
+
+
+def test_a_joining_sequence_prepares_one_piece_per_step_while_another_decodes():
+    pieces_done = []
+
+    def prepare(seq, slot):  # six pieces of work: five before a pause, one after the last
+        for i in range(5):
+            pieces_done.append(i)
+            yield
+        pieces_done.append(5)
+
+    lane = Lane(_Decoder(), name="t")
+    running = Sequence([1, 2], 30, set())
+    lane.add(running)
+    lane.step()  # prefill, first token
+    joining = Sequence([1, 2], 5, set(), prepare=prepare)
+    lane.add(joining)
+    for step in range(6):
+        before = len(running.tokens)
+        record = lane.step()
+        assert len(running.tokens) == before + 1  # the running slot decoded in every step
+        assert len(pieces_done) == step + 1  # and the newcomer advanced by exactly one piece
+        assert record.preparing == (1 if step < 5 else 0)
+        assert bool(joining.tokens) == (step == 5)  # it joins the forward pass once ready
+
+
+def test_preparation_runs_to_readiness_when_nobody_is_decoding():
+    def prepare(seq, slot):
+        for _ in range(4):
+            yield
+
+    lane = Lane(_Decoder(), name="t")
+    seq = Sequence([1], 3, set(), prepare=prepare)
+    lane.add(seq)
+    record = lane.step()
+    assert record is not None and seq.tokens  # no step was wasted waiting
