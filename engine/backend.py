@@ -37,3 +37,27 @@ def describe_backend(device: str) -> str:
     if device == "mps":
         return "Apple Metal (MPS)"
     return f"CPU ({torch.get_num_threads()} threads)"
+
+
+DTYPE_ENV = "CADENCE_DTYPE"  # float32 | float16 | bfloat16: overrides the per-backend choice
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def default_dtype(device: str, family: str) -> torch.dtype:
+    """float32 on CPU (exact against the references, and oneDNN's packed kernels are float32);
+    on a GPU half precision, as its users expect: float16 for Whisper (what CTranslate2 runs
+    there), bfloat16 for chat models where the GPU supports it (float16 overflows in some)."""
+    import os
+
+    chosen = os.environ.get(DTYPE_ENV, "").strip().lower()
+    if chosen:
+        if chosen not in _DTYPES:
+            raise RequestError(f"{DTYPE_ENV} must be one of {', '.join(_DTYPES)} (got '{chosen}').")
+        return _DTYPES[chosen]
+    if device == "cuda":
+        if family == "chat" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float16
+    if device == "mps":
+        return torch.float16
+    return torch.float32

@@ -169,6 +169,11 @@ class Engine:
             self._step_log.close()
             self._step_log = None
 
+    def log_steps(self, path: str | Path | None) -> None:
+        """Start writing the step log to ``path`` (appending), or stop with None."""
+        new = open(path, "a", buffering=1, encoding="utf-8") if path else None
+        self._commands.put(("log", new))
+
     def lane(self, model: str, family: str):
         """The lane of a model, loading it (and calibrating its width) on first use (engine thread only)."""
         if model not in self._lanes:
@@ -248,7 +253,11 @@ class Engine:
                     if seqs and seqs[0].handle._final is None:
                         seqs[0].handle._emit(Event("failed", seqs[0].handle.id, message="The engine was shut down."))
                 return
-            if command == "submit":
+            if command == "log":
+                if self._step_log is not None:
+                    self._step_log.close()
+                self._step_log = handle  # the new file, or None
+            elif command == "submit":
                 self._start(handle)
             elif command == "cancel":
                 for seq in self._work.get(handle.id, []):

@@ -168,13 +168,19 @@ def load_chat(source: ModelSource, device: str = "cpu", dtype: torch.dtype = tor
     return LoadedModel(source, model, tokenizer, report)
 
 
-def load(name_or_path: str, family: str | None = None, device: str = "cpu") -> LoadedModel:
-    """Resolve and load a model; ``family`` (WHISPER or CHAT) checks it is the kind wanted."""
+def load(name_or_path: str, family: str | None = None, device: str = "cpu",
+         dtype: torch.dtype | None = None) -> LoadedModel:
+    """Resolve and load a model; ``family`` (WHISPER or CHAT) checks it is the kind wanted; the
+    dtype defaults to the backend's (float32 on CPU, half precision on a GPU)."""
+    from engine.backend import default_dtype
+
     source = resolve(name_or_path)
     if family and source.family != family:
         kind = "a speech-to-text (Whisper)" if family == WHISPER else "a chat"
         raise ModelError(f"{source.name} is not {kind} model.")
-    return load_whisper(source, device) if source.family == WHISPER else load_chat(source, device)
+    dtype = dtype or default_dtype(device, source.family)
+    loader = load_whisper if source.family == WHISPER else load_chat
+    return loader(source, device, dtype)
 
 
 __all__ = ["LoadedModel", "LoadReport", "load", "load_whisper", "load_chat", "converted_dir", "CHAT", "WHISPER"]

@@ -243,7 +243,8 @@ class Lane:
             wanted.append(offset - 1)
             owners.append((seq, len(r)))
         t0 = time.perf_counter()
-        logits = self.decoder.forward(batch, torch.tensor(wanted, device=batch.tokens.device))
+        # Token choice runs on the CPU, per sequence, with its own generator (one copy per step).
+        logits = self.decoder.forward(batch, torch.tensor(wanted, device=batch.tokens.device)).cpu()
         now = time.perf_counter()
         emitted: dict[int, int] = {}
         for (seq, fed_rows), row in zip(owners, logits):
