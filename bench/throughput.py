@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from bench.analyze_steps import read_log, summarize  # noqa: E402
+from bench.analyze_steps import read_log  # noqa: E402
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()

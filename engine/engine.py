@@ -13,14 +13,13 @@ import os
 import queue
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from engine.errors import CadenceError
+from engine.errors import CadenceError, record_fault
 from engine.models import CHAT, DEFAULT_CHAT, DEFAULT_WHISPER, WHISPER
 from engine.sampling import SamplingParams
 
@@ -270,8 +269,8 @@ class Engine:
                         self._fail_lane(lane, exc)
 
     def _fail_lane(self, lane, exc: Exception) -> None:
-        message = f"The engine failed while decoding ({exc.__class__.__name__}: {exc})."
-        traceback.print_exc()
+        message = (f"The engine failed while decoding ({exc.__class__.__name__}: {exc}); "
+                   f"details are in {record_fault(exc)}.")
         for seq in [s for s in lane.slots if s is not None] + list(lane.waiting):
             seq.cancelled = True
             if seq.handle is not None and seq.handle._final is None:
@@ -294,8 +293,8 @@ class Engine:
         except CadenceError as exc:
             handle._emit(Event("failed", handle.id, message=str(exc)))
         except Exception as exc:
-            traceback.print_exc()
-            handle._emit(Event("failed", handle.id, message=f"The request could not start ({exc.__class__.__name__}: {exc})."))
+            handle._emit(Event("failed", handle.id, message=f"The request could not start ({exc.__class__.__name__}: "
+                                                            f"{exc}); details are in {record_fault(exc)}."))
 
 
 __all__ = ["Engine", "ChatRequest", "TranscribeRequest", "Event", "Handle", "WHISPER", "CHAT"]

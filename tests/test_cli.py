@@ -1,14 +1,26 @@
-"""The ``cadence`` console script, run as a user runs it, and its documented output schema."""
+"""The ``cadence`` console script, run as a user runs it, and its documented output schema.
+
+``transcribe`` and ``chat`` run on the batched engine; each subprocess loads its models, so the
+model-running commands are kept few and their outputs shared through module fixtures.
+"""
 
 import json
+import signal
 import subprocess
 import sys
 
 import pytest
 
+PROMPTS = [
+    "What is the capital of France?",
+    "Name a primary colour.",
+    "List the numbers from one to ten, one per line.",
+]
 
-def cadence(*args, check_rc=None):
-    proc = subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, timeout=600)
+
+def cadence(*args, check_rc=None, stdin=None):
+    proc = subprocess.run([sys.executable, "-m", "engine", *args], check=False, capture_output=True, text=True,
+                          timeout=600, input=stdin)
     if check_rc is not None:
         assert proc.returncode == check_rc, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -23,6 +35,7 @@ def test_models_json():
         assert r["available"] is True
 
 
+# ---------------------------------------------------------------- transcribe
 def test_transcribe_json_schema_and_partial_failure(speech, tmp_path, tiny):
     garbage = tmp_path / "noise.wav"
     garbage.write_bytes(b"RIFF" + bytes(1000))
@@ -31,12 +44,49 @@ def test_transcribe_json_schema_and_partial_failure(speech, tmp_path, tiny):
     results = json.loads(proc.stdout)
     assert [r["file"] for r in results] == [str(speech["fox"]), str(garbage), str(speech["report"])]
     good, bad, good2 = results
-    assert set(good) >= {"file", "text", "language", "segments", "stats"}
+    assert set(good) >= {"file", "text", "language", "segments", "stats", "model"}
     assert good["language"] == "en" and "fox" in good["text"].lower()
+    assert good["model"] == "whisper-tiny.en"
     assert {"start", "end", "text"} == set(good["segments"][0])
     assert {"tokens", "seconds", "tok_s"} <= set(good["stats"]) and good["stats"]["tokens"] > 0
     assert set(bad) == {"file", "error"} and bad["error"].endswith(".")
     assert "finance" in good2["text"].lower()
+
+
+def _transcripts(speech, *flags):
+    files = [str(speech[n]) for n in ("fox", "report", "budget")]
+    proc = cadence("transcribe", *files, "--json", *flags, check_rc=0)
+    results = json.loads(proc.stdout)
+    assert [r["file"] for r in results] == files
+    return results
+
+
+def test_transcribe_batched_equals_batch_off_in_input_order(speech, tiny):
+    batched = _transcripts(speech, "--batch", "4")
+    for result, word in zip(batched, ("fox", "report", "week")):
+        assert word in result["text"].lower(), result["text"]
+    serial = _transcripts(speech, "--batch", "off")
+    # Segments carry no token ids in the JSON, so compare what does: texts, segments and token counts.
+    for b, s in zip(batched, serial):
+        assert b["text"] == s["text"]
+        assert [seg["text"] for seg in b["segments"]] == [seg["text"] for seg in s["segments"]]
+        assert b["stats"]["tokens"] == s["stats"]["tokens"]
+
+
+def test_transcribe_bad_files_do_not_stop_the_others(speech, tmp_path, tiny):
+    garbage = tmp_path / "noise.wav"
+    garbage.write_bytes(b"RIFF" + bytes(1000))
+    missing = tmp_path / "missing.wav"
+    out = tmp_path / "out"
+    proc = cadence("transcribe", str(garbage), str(speech["fox"]), str(missing), str(speech["report"]),
+                   "--out", str(out), "--batch", "4", check_rc=1)
+    assert "fox" in (out / "fox.txt").read_text().lower()
+    assert "report" in (out / "report.txt").read_text().lower()
+    assert sorted(p.name for p in out.iterdir()) == ["fox.txt", "report.txt"]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith(str(tmp_path))]
+    assert any("noise.wav" in line and line.endswith(".") for line in errors), proc.stderr
+    assert any("missing.wav" in line and "does not exist" in line for line in errors), proc.stderr
+    assert proc.stdout == ""
 
 
 def test_transcribe_writes_files_and_refuses_to_overwrite(speech, tmp_path, tiny):
@@ -46,35 +96,114 @@ def test_transcribe_writes_files_and_refuses_to_overwrite(speech, tmp_path, tiny
     assert srt.startswith("1\n00:00:00,000 --> 00:00:0") and "fox" in srt.lower()
     again = cadence("transcribe", str(speech["fox"]), "--format", "srt", "--out", str(out), check_rc=1)
     assert "already exists" in again.stderr
+    assert (out / "fox.srt").read_text() == srt
     cadence("transcribe", str(speech["fox"]), "--format", "vtt", "--out", str(out), check_rc=0)
     assert (out / "fox.vtt").read_text().startswith("WEBVTT")
 
 
-def test_chat_json_schema(smollm):
-    proc = cadence("chat", "What is the capital of France?", "--max-tokens", "24", "--json", check_rc=0)
-    result = json.loads(proc.stdout)
-    assert set(result) == {"text", "tokens", "stats"}
+# ---------------------------------------------------------------- chat
+@pytest.fixture(scope="module")
+def serial_answers(smollm):
+    """Each prompt alone, greedy, on the exact single-stream path."""
+    return [json.loads(cadence("chat", p, "--json", "--max-tokens", "12", "--batch", "off", check_rc=0).stdout)
+            for p in PROMPTS]
+
+
+def test_chat_json_schema(serial_answers):
+    result = serial_answers[0]
+    assert set(result) == {"text", "tokens", "finish_reason", "stats"}
     assert "Paris" in result["text"]
+    assert result["finish_reason"] in ("stop", "length")
     assert all(isinstance(t, int) for t in result["tokens"])
-    assert result["stats"]["tokens"] == len(result["tokens"])
-    assert result["stats"]["tok_s"] > 0
+    stats = result["stats"]
+    assert {"prompt_tokens", "tokens", "seconds", "time_to_first_token", "tok_s", "model", "finish_reason"} <= set(stats)
+    assert stats["tokens"] == len(result["tokens"]) and stats["tok_s"] > 0
+    assert stats["model"] == "smollm2-135m-instruct" and stats["finish_reason"] == result["finish_reason"]
+
+
+def test_chat_prompts_file_equals_each_prompt_alone(serial_answers, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join([PROMPTS[0], "", PROMPTS[1], "   ", PROMPTS[2]]) + "\n")
+    proc = cadence("chat", "--prompts", str(prompts), "--json", "--max-tokens", "12", "--batch", "4", check_rc=0)
+    answers = json.loads(proc.stdout)
+    assert isinstance(answers, list) and len(answers) == len(PROMPTS)
+    for batched, alone in zip(answers, serial_answers):
+        assert set(batched) == {"text", "tokens", "finish_reason", "stats"}
+        assert batched["tokens"] == alone["tokens"]
+        assert batched["text"] == alone["text"]
+        assert batched["finish_reason"] == alone["finish_reason"]
+    assert "Paris" in answers[0]["text"]
+
+
+def test_chat_stop_string_ends_the_answer(serial_answers):
+    proc = cadence("chat", PROMPTS[2], "--json", "--max-tokens", "24", "--stop", "3.", "--stop", "ten", check_rc=0)
+    result = json.loads(proc.stdout)
+    assert result["finish_reason"] == "stop" and result["stats"]["finish_reason"] == "stop"
+    assert "2." in result["text"] and "3." not in result["text"]
+    assert serial_answers[2]["text"].startswith(result["text"])  # the same answer, cut before "3."
+
+
+def test_chat_streams_answers_with_headers_from_stdin(serial_answers):
+    stdin = f"{PROMPTS[0]}\n{PROMPTS[2]}\n"
+    proc = cadence("chat", "--prompts", "-", "--max-tokens", "16", "--stop", "3.", stdin=stdin, check_rc=0)
+    first, second = proc.stdout.split("### Prompt 2\n")
+    assert first.startswith("### Prompt 1\n") and "Paris" in first and first.endswith("\n\n")
+    answer = second.rstrip("\n")
+    # A streamed answer never shows its stop string, not even the start of it ("3").
+    assert "2." in answer and not answer.endswith("3") and "3." not in answer
+    assert serial_answers[2]["text"].startswith(answer)
+    assert "tok/s" in proc.stderr and "2 of 2 prompts answered" in proc.stderr
 
 
 def test_chat_streams_to_terminal(smollm):
     proc = cadence("chat", "Say hello.", "--max-tokens", "8", check_rc=0)
-    assert proc.stdout.strip()
+    assert proc.stdout.strip() and "###" not in proc.stdout
     assert "tok/s" in proc.stderr
 
 
+def test_ctrl_c_cancels_and_exits_130(smollm):
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "chat", "Write a long story about a dragon.",
+                             "--max-tokens", "2000", "--batch", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.read(1)  # the answer has started streaming
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr
+
+
+# ---------------------------------------------------------------- usage errors
 @pytest.mark.parametrize(
     "args, message",
     [
         (["chat", "hi", "--model", "no-such-model"], "Unknown model"),
         (["chat", "hi", "--temperature", "-1"], "Temperature"),
+        (["chat", "hi", "--min-p", "2"], "min-p"),
+        (["chat", "hi", "--presence-penalty", "3"], "presence penalty"),
         (["transcribe", "x.wav", "--model", "smollm2-135m-instruct"], "not a speech-to-text"),
         (["chat", "hi", "--backend", "cuda"], "not available"),
+        (["chat", "hi", "--batch", "0"], "--batch"),
+        (["transcribe", "x.wav", "--batch", "abc"], "--batch"),
+        (["chat", "hi", "--batch", "-1"], "--batch"),
+        (["chat"], "Give a PROMPT"),
+        (["transcribe", "x.wav", "--json", "--format", "srt"], "--json"),
     ],
 )
 def test_usage_errors_are_one_sentence(args, message):
     proc = cadence(*args, check_rc=2)
     assert message in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.strip().endswith(".")
+    assert proc.stdout == ""
+
+
+def test_prompts_usage_errors(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    both = cadence("chat", "hi", "--prompts", str(prompts), check_rc=2)
+    assert "not both" in both.stderr
+    prompts.write_text("\n  \n")
+    empty = cadence("chat", "--prompts", str(prompts), check_rc=2)
+    assert "holds no prompts" in empty.stderr
