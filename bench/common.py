@@ -43,3 +43,29 @@ def faster_whisper_model(name: str, folder: Path, threads: int):
     for file in ("config.json", "tokenizer.json", "vocabulary.txt"):
         shutil.copy(source.folder / file, folder / file)
     return WhisperModel(str(folder), device="cpu", compute_type="float32", cpu_threads=threads)
+
+
+def in_fresh_thread(fn, *args, **kwargs):
+    """Run ``fn`` on a new thread and return its result.
+
+    PyTorch's OpenMP pool belongs to the thread that first runs parallel work. When the main thread
+    has run matrix products (transformers ``generate``, say) its pool lingers and slows a later
+    engine thread by about a quarter on this 2-core machine, so the baselines run on a thread of
+    their own, like the engine does.
+    """
+    import threading
+
+    box = {}
+
+    def run():
+        try:
+            box["result"] = fn(*args, **kwargs)
+        except BaseException as exc:  # re-raised on the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]

@@ -39,6 +39,7 @@ def _sync(device: str) -> None:
 
 
 def chat_table(widths, n_tokens, device):
+    from bench.common import in_fresh_thread
     from engine.chat_reference import ChatReference, build_messages
     from engine.engine import ChatRequest, Engine
     from engine.loading import load
@@ -67,7 +68,8 @@ def chat_table(widths, n_tokens, device):
         enc = tok([tok.decode(i) for i in ids], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         _sync(device)
         t0 = time.perf_counter()
-        out = loaded.model.generate(**enc, max_new_tokens=n_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+        out = in_fresh_thread(loaded.model.generate, **enc, max_new_tokens=n_tokens, do_sample=False,
+                              pad_token_id=tok.eos_token_id)
         _sync(device)
         g_wall = time.perf_counter() - t0
         rows = out[:, enc.input_ids.shape[1]:].tolist()
@@ -80,7 +82,7 @@ def chat_table(widths, n_tokens, device):
 
 
 def whisper_tables(widths, device):
-    from bench.common import faster_whisper_model, speech_samples
+    from bench.common import faster_whisper_model, in_fresh_thread, speech_samples
     from engine.engine import Engine, TranscribeRequest
 
     work = Path(tempfile.mkdtemp())
@@ -117,8 +119,9 @@ def whisper_tables(widths, device):
     for name in ("whisper-tiny.en", "whisper-base"):
         fw = faster_whisper_model(name, work / name, torch.get_num_threads())
         t0 = time.perf_counter()
-        fw_tokens = [[t for s in fw.transcribe(c, language="en", beam_size=1, temperature=0, without_timestamps=True,
-                                               condition_on_previous_text=False)[0] for t in s.tokens] for c in clips]
+        fw_tokens = in_fresh_thread(lambda: [
+            [t for s in fw.transcribe(c, language="en", beam_size=1, temperature=0, without_timestamps=True,
+                                      condition_on_previous_text=False)[0] for t in s.tokens] for c in clips])
         fw_s = time.perf_counter() - t0
         our_s, got = end_to_end[(name, max(widths))]
         same = [[t for s in g.segments for t in s.tokens] for g in got] == fw_tokens

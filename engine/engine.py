@@ -285,7 +285,7 @@ class Engine:
 
                 self._work[handle.id] = start_chat(self, handle)
             elif isinstance(handle.request, TranscribeRequest):
-                from engine.requests import start_transcription
+                from engine.transcribe import start_transcription
 
                 self._work[handle.id] = start_transcription(self, handle)
             else:

@@ -1,8 +1,9 @@
 """Transcribe one file or clip: audio -> log-mel -> 30-second windows -> text segments.
 
 The plan (language, prompt, windows) and the assembly of window results into a transcript are
-shared by the reference path here and the batched engine (:mod:`engine.requests`), so both
-apply the same rules.
+shared by the reference path and the batched engine (:func:`start_transcription`: one sequence
+per 30-second window, all queued at once, so windows of one long file and of many files share
+the slots), so both apply the same rules.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from engine.audio import SAMPLE_RATE, load_audio
 from engine.errors import CadenceError, RequestError
+from engine.models import WHISPER
+from engine.scheduler import Sequence
 from engine.transcript import Segment, Transcript
 from engine.whisper_features import FRAMES_PER_SECOND, WINDOW_FRAMES, log_mel, pad_window, windows
 from engine.whisper_reference import WhisperReference, WindowResult
@@ -102,3 +106,47 @@ def transcribe_samples(decoder: WhisperReference, samples: np.ndarray, language:
 
 def transcribe_file(decoder: WhisperReference, path: str | Path, language=None, task="transcribe") -> Transcript:
     return transcribe_samples(decoder, load_audio(path), language, task, name=str(path))
+
+
+def start_transcription(engine, handle) -> list[Sequence]:
+    from engine.engine import Event
+
+    req = handle.request
+    lane = engine.lane(req.model, WHISPER)
+    ref = engine.reference(req.model)
+    decoder = lane.decoder
+    name = str(req.audio) if not isinstance(req.audio, np.ndarray) else (req.name or "audio")
+    samples = req.audio if isinstance(req.audio, np.ndarray) else load_audio(req.audio)
+    plan = plan_transcription(ref, samples, req.language, req.task, req.name or name)
+    results: dict[int, WindowResult] = {}
+    handle._emit(Event("started", handle.id, total=len(plan.spans)))
+
+    def prepare(seq, slot):  # on joining a slot: encode this window into the slot's cross-attention memory,
+        # one encoder layer per step while other slots decode (a generator the lane advances)
+        window = torch.from_numpy(plan.spans[seq.index][2])[None].to(decoder.device, decoder.cross_k.dtype)
+        encoded = yield from decoder.encode_in_steps(window)
+        decoder.set_memory(slot, encoded[0])
+
+    def on_finish(seq):
+        if handle._final is not None:  # the request already failed or was cancelled
+            return
+        if seq.finish_reason == "cancelled":
+            handle._emit(Event("failed", handle.id, message=f"{plan.name}: transcription was cancelled."))
+            return
+        results[seq.index] = WindowResult(seq.tokens, ref.no_speech_probability(seq.probe_logits),
+                                          seq.logprob_sum / (len(seq.tokens) + 1))
+        handle._emit(Event("progress", handle.id, done=len(results), total=len(plan.spans),
+                           text=ref.tok.decode(seq.tokens).strip()))
+        if len(results) == len(plan.spans):
+            ordered = [results[i] for i in range(len(plan.spans))]
+            handle._emit(Event("finished", handle.id, result=assemble_transcript(plan, ref.tok, ordered)))
+
+    seqs = []
+    for index in range(len(plan.spans)):
+        seq = Sequence(list(plan.prompt), decoder.max_len - len(plan.prompt), {ref.tok.eot},
+                       suppress=ref.suppress, begin_suppress=ref.begin_suppress, prepare=prepare,
+                       on_finish=on_finish, probe_row=plan.prompt.index(ref.tok.sot), track_logprob=True,
+                       handle=handle, index=index)
+        lane.add(seq)
+        seqs.append(seq)
+    return seqs
