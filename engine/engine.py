@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -59,6 +60,12 @@ class TranscribeRequest:
     language: str | None = None
     task: str = "transcribe"
     name: str = ""
+    # Resuming: windows finished in an earlier run (index -> WindowResult) are not decoded again.
+    done_windows: dict | None = None
+    # Called on the engine thread as soon as the plan is made (with the TranscriptionPlan) and as each
+    # window finishes (index, WindowResult), so a job store records them before anything else happens.
+    on_plan: Callable | None = None
+    on_window: Callable | None = None
 
 
 @dataclass
@@ -69,8 +76,9 @@ class Event:
     tokens: list[int] = field(default_factory=list)
     done: int = 0
     total: int = 0
-    result: object = None
+    result: object = None  # finished: the result; progress: the finished window's WindowResult
     message: str = ""
+    index: int = -1  # progress: which window finished
 
     @property
     def terminal(self) -> bool:

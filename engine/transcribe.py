@@ -9,7 +9,7 @@ the slots), so both apply the same rules.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +24,10 @@ from engine.whisper_features import FRAMES_PER_SECOND, WINDOW_FRAMES, log_mel, p
 from engine.whisper_reference import WhisperReference, WindowResult
 from engine.whisper_tokens import WhisperTokenizer
 
+LOOP_MIN_REPEATS = 4  # a tail repeating one unit this many times ...
+LOOP_MIN_TOKENS = 16  # ... over at least this many tokens is a hallucination loop
+LOOP_MAX_PERIOD = 16  # longest repeating unit looked for, in tokens
+SILENCE_RMS = 10 ** (-60 / 20)  # a window quieter than -60 dBFS RMS is not decoded at all
 NO_SPEECH_THRESHOLD = 0.6  # skip a window the model calls silent ...
 LOGPROB_THRESHOLD = -1.0  # ... unless its words were confident anyway (faster-whisper's defaults)
 
@@ -38,6 +42,11 @@ class TranscriptionPlan:
     duration: float
     spans: list[tuple[int, int, np.ndarray]]  # (first frame, frames of content, padded window)
     started: float
+    silent: set[int] = field(default_factory=set)  # windows with no sound to speak of: not decoded
+
+    def silent_result(self) -> WindowResult:
+        """What a silent window counts as: no tokens, certainly no speech."""
+        return WindowResult([], 1.0, -10.0)
 
 
 def check_language(tok: WhisperTokenizer, model_name: str, language: str | None, task: str) -> str | None:
@@ -66,19 +75,54 @@ def plan_transcription(decoder: WhisperReference, samples: np.ndarray, language:
     if language is None:
         language, _ = decoder.detect_language(decoder.encode(pad_window(features[:, :WINDOW_FRAMES])))
     prompt = tok.sot_sequence(language, task) + [tok.no_timestamps]
-    return TranscriptionPlan(name, language, prompt, samples.size / SAMPLE_RATE, list(windows(features)), started)
+    spans = list(windows(features))
+    hop = SAMPLE_RATE // FRAMES_PER_SECOND
+    silent = {i for i, (seek, size, _) in enumerate(spans)
+              if _rms(samples[seek * hop : (seek + size) * hop]) < SILENCE_RMS}
+    return TranscriptionPlan(name, language, prompt, samples.size / SAMPLE_RATE, spans, started, silent)
+
+
+def _rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(x, dtype=np.float64)))) if x.size else 0.0
+
+
+def repetition_start(tokens: list[int]) -> int | None:
+    """Where a looping tail's repetitions begin (the index just after its first unit), or None.
+
+    Whisper sometimes repeats a word or line until the window ends. A tail made of one unit of 1 to
+    LOOP_MAX_PERIOD tokens repeated at least LOOP_MIN_REPEATS times over at least LOOP_MIN_TOKENS
+    tokens counts as such a loop ("no, no, no, no" does not).
+    """
+    n = len(tokens)
+    for period in range(1, LOOP_MAX_PERIOD + 1):
+        need = max(LOOP_MIN_REPEATS * period, LOOP_MIN_TOKENS)
+        if n < need:
+            continue
+        if all(tokens[n - 1 - i] == tokens[n - 1 - i - period] for i in range(need - period)):
+            start = n - need
+            while start > 0 and tokens[start - 1] == tokens[start - 1 + period]:
+                start -= 1
+            return start + period
+    return None
+
+
+def cut_repetition(tokens: list[int]) -> list[int]:
+    """The tokens with a looping tail cut after its first unit."""
+    cut = repetition_start(tokens)
+    return tokens if cut is None else tokens[:cut]
 
 
 def assemble_transcript(plan: TranscriptionPlan, tok: WhisperTokenizer, results: list[WindowResult]) -> Transcript:
-    """Window results, in window order, into segments; silent windows are skipped."""
+    """Window results, in window order, into segments; silent windows are skipped, loops cut."""
     segments: list[Segment] = []
     for (seek, size, _), result in zip(plan.spans, results):
         if result.no_speech_prob > NO_SPEECH_THRESHOLD and result.avg_logprob <= LOGPROB_THRESHOLD:
             continue
-        text = tok.decode(result.tokens).strip()
+        tokens = cut_repetition(result.tokens)
+        text = tok.decode(tokens).strip()
         if text:
             end = min((seek + size) / FRAMES_PER_SECOND, plan.duration)
-            segments.append(Segment(seek / FRAMES_PER_SECOND, end, text, list(result.tokens)))
+            segments.append(Segment(seek / FRAMES_PER_SECOND, end, text, list(tokens)))
     n_tokens = sum(len(r.tokens) for r in results)
     seconds = time.perf_counter() - plan.started
     return Transcript(
@@ -100,7 +144,8 @@ def transcribe_samples(decoder: WhisperReference, samples: np.ndarray, language:
                        task: str = "transcribe", name: str = "audio") -> Transcript:
     """Greedy, no timestamps, each window decoded on its own (no previous-text conditioning)."""
     plan = plan_transcription(decoder, samples, language, task, name)
-    results = [decoder.decode(decoder.encode(window), plan.prompt) for _, _, window in plan.spans]
+    results = [plan.silent_result() if i in plan.silent else decoder.decode(decoder.encode(window), plan.prompt)
+               for i, (_, _, window) in enumerate(plan.spans)]
     return assemble_transcript(plan, decoder.tok, results)
 
 
@@ -118,8 +163,19 @@ def start_transcription(engine, handle) -> list[Sequence]:
     name = str(req.audio) if not isinstance(req.audio, np.ndarray) else (req.name or "audio")
     samples = req.audio if isinstance(req.audio, np.ndarray) else load_audio(req.audio)
     plan = plan_transcription(ref, samples, req.language, req.task, req.name or name)
-    results: dict[int, WindowResult] = {}
-    handle._emit(Event("started", handle.id, total=len(plan.spans)))
+    results: dict[int, WindowResult] = {i: plan.silent_result() for i in plan.silent}
+    results.update({i: r for i, r in (req.done_windows or {}).items() if 0 <= i < len(plan.spans)})
+    if req.on_plan:
+        req.on_plan(plan)
+    handle._emit(Event("started", handle.id, done=len(results), total=len(plan.spans), text=plan.language))
+
+    def finish_if_complete():
+        if len(results) == len(plan.spans):
+            ordered = [results[i] for i in range(len(plan.spans))]
+            handle._emit(Event("finished", handle.id, result=assemble_transcript(plan, ref.tok, ordered)))
+
+    def on_token(seq, token) -> bool:  # stop a window that has fallen into a repetition loop
+        return len(seq.tokens) >= LOOP_MIN_TOKENS and repetition_start(seq.tokens) is not None
 
     def prepare(seq, slot):  # on joining a slot: encode this window into the slot's cross-attention memory,
         # one encoder layer per step while other slots decode (a generator the lane advances)
@@ -133,20 +189,24 @@ def start_transcription(engine, handle) -> list[Sequence]:
         if seq.finish_reason == "cancelled":
             handle._emit(Event("failed", handle.id, message=f"{plan.name}: transcription was cancelled."))
             return
-        results[seq.index] = WindowResult(seq.tokens, ref.no_speech_probability(seq.probe_logits),
-                                          seq.logprob_sum / (len(seq.tokens) + 1))
-        handle._emit(Event("progress", handle.id, done=len(results), total=len(plan.spans),
-                           text=ref.tok.decode(seq.tokens).strip()))
-        if len(results) == len(plan.spans):
-            ordered = [results[i] for i in range(len(plan.spans))]
-            handle._emit(Event("finished", handle.id, result=assemble_transcript(plan, ref.tok, ordered)))
+        window = WindowResult(seq.tokens, ref.no_speech_probability(seq.probe_logits),
+                              seq.logprob_sum / (len(seq.tokens) + 1))
+        results[seq.index] = window
+        if req.on_window:
+            req.on_window(seq.index, window)
+        handle._emit(Event("progress", handle.id, done=len(results), total=len(plan.spans), index=seq.index,
+                           result=window, text=ref.tok.decode(cut_repetition(seq.tokens)).strip()))
+        finish_if_complete()
 
     seqs = []
     for index in range(len(plan.spans)):
+        if index in results:
+            continue
         seq = Sequence(list(plan.prompt), decoder.max_len - len(plan.prompt), {ref.tok.eot},
                        suppress=ref.suppress, begin_suppress=ref.begin_suppress, prepare=prepare,
-                       on_finish=on_finish, probe_row=plan.prompt.index(ref.tok.sot), track_logprob=True,
-                       handle=handle, index=index)
+                       on_token=on_token, on_finish=on_finish, probe_row=plan.prompt.index(ref.tok.sot),
+                       track_logprob=True, handle=handle, index=index)
         lane.add(seq)
         seqs.append(seq)
+    finish_if_complete()  # every window was done in an earlier run
     return seqs
