@@ -69,6 +69,11 @@ import numpy as np
 from engine.errors import AudioError
 
 SAMPLE_RATE = 16000
+# What a dropped or given folder is searched for (content decides how a file is decoded, not this).
+AUDIO_EXTENSIONS = frozenset({
+    ".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".m4a", ".m4b", ".aac", ".mp4", ".mkv", ".webm", ".mov",
+    ".wma", ".aif", ".aiff", ".caf", ".3gp",
+})
 
 BLOCK_FRAMES = 1 << 16  # frames per decoded block (libsndfile) / samples gathered before resampling (PyAV)
 
@@ -480,3 +485,8 @@ def load_audio(path: str | Path) -> np.ndarray:
     if decoded.note:
         log.warning(decoded.note)
     return decoded.samples
+
+
+def audio_files(folder: str | Path) -> list[Path]:
+    """The audio and video files under ``folder``, recursively, sorted."""
+    return sorted(f for f in Path(folder).rglob("*") if f.is_file() and f.suffix.lower() in AUDIO_EXTENSIONS)
