@@ -10,6 +10,7 @@ or a model that cannot be loaded, 130 interrupted (Ctrl-C).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -19,7 +20,6 @@ from typing import Self
 
 from engine.errors import CadenceError
 
-AUDIO_EXTENSIONS = {".wav", ".flac", ".ogg", ".mp3", ".m4a", ".aac", ".mp4", ".mkv", ".webm", ".mov", ".opus", ".wma"}
 INTERRUPT_SHUTDOWN_S = 3  # after Ctrl-C, wait at most this long for the engine thread (it is a daemon)
 
 
@@ -136,94 +136,12 @@ def expand_inputs(items: list[str]) -> list[Path]:
     for item in items:
         p = Path(item).expanduser()
         if p.is_dir():
-            out += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in AUDIO_EXTENSIONS)
+            from engine.audio import audio_files
+
+            out += audio_files(p)
         else:
             out.append(p)
     return out
-
-
-def _wait_transcript(session: _Session, handle, path: Path, show_progress: bool):
-    """The transcript of one file (CadenceError on failure), with window progress on a terminal."""
-    shown = False
-    for event in session.follow(handle):
-        if show_progress and event.kind == "progress" and event.total > 1:
-            sys.stderr.write(f"\r{path.name}: window {event.done}/{event.total}\033[K")
-            sys.stderr.flush()
-            shown = True
-    if shown:
-        sys.stderr.write("\r\033[K")
-    return handle.result()
-
-
-def cmd_transcribe(args) -> int:
-    from engine.engine import TranscribeRequest
-    from engine.formats import render
-    from engine.models import WHISPER
-
-    if args.json and args.format not in (None, "json"):
-        raise CadenceError(f"--json prints JSON; it cannot be combined with --format {args.format}.")
-    fmt = "json" if args.json else (args.format or "txt")
-    batch = parse_batch(args.batch)
-    source = _check_model(args.model, WHISPER)
-    files = expand_inputs(args.files)
-    if not files:
-        raise CadenceError("No audio files were found in what was given.")
-    out_dir = Path(args.out).expanduser() if args.out else None
-    if out_dir:
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CadenceError(f"The output folder {out_dir} cannot be created ({exc.strerror or exc}).") from None
-
-    def target_of(path: Path) -> Path:
-        return out_dir / f"{path.stem}.{fmt}"
-
-    show_progress = sys.stderr.isatty()
-    results, failed = [], 0
-    with _Session(args.backend, batch) as session:
-        _err(f"Transcribing {len(files)} file{'s' if len(files) != 1 else ''} with {source.name} "
-             f"on {session.engine.device}...")
-        handles = []
-        for path in files:
-            if out_dir and target_of(path).exists() and not args.overwrite:
-                handles.append(None)  # refused below, without decoding it
-                continue
-            handles.append(session.submit(TranscribeRequest(audio=path, model=args.model, language=args.language,
-                                                            task=args.task, name=str(path))))
-        for path, handle in zip(files, handles):
-            try:
-                if handle is None:
-                    raise CadenceError(f"{target_of(path)} already exists (use --overwrite to replace it).")
-                transcript = _wait_transcript(session, handle, path, show_progress)
-                s = transcript.stats
-                _err(f"{path}: {s['tokens']} tokens in {s['seconds']:.2f} s "
-                     f"({s['tok_s']} tok/s, {s['realtime_factor']}x real time)")
-                entry = transcript.to_json() | {"file": str(path), "model": source.name}
-                if out_dir:
-                    target = target_of(path)
-                    if target.exists() and not args.overwrite:  # two inputs with the same name
-                        raise CadenceError(f"{target} already exists (use --overwrite to replace it).")
-                    target.write_text(render(transcript, fmt), encoding="utf-8")
-                    entry["output"] = str(target)
-                elif fmt != "json":
-                    sys.stdout.write(render(transcript, fmt))
-                    sys.stdout.flush()
-            except CadenceError as exc:
-                failed += 1
-                entry = {"file": str(path), "error": str(exc)}
-                _err(f"{path}: {exc}")
-            except OSError as exc:  # writing the output failed
-                failed += 1
-                entry = {"file": str(path), "error": f"The output for {path.name} could not be written ({exc.strerror or exc})."}
-                _err(f"{path}: {entry['error']}")
-            results.append(entry)
-        elapsed = session.elapsed()
-        note = session.width_note(args.model)
-    if fmt == "json" and not out_dir:
-        print(json.dumps(results, ensure_ascii=False, indent=2))
-    _err(f"{len(files) - failed} of {len(files)} file{'s' if len(files) != 1 else ''} transcribed "
-         f"in {elapsed:.2f} s{note}.")
-    return 1 if failed else 0
 
 
 # ---------------------------------------------------------------- chat
@@ -241,8 +159,13 @@ def read_prompts(where: str) -> list[str]:
     return prompts
 
 
-def _chat_entry(result: dict, model: str) -> dict:
-    """The engine's chat result in the CLI's schema (see README: `cadence chat --json`)."""
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "stop", "seed", "max_tokens")
+
+
+def _chat_entry(reply, model: str) -> dict:
+    """A finished answer in the CLI's schema (see README: `cadence chat --json`)."""
+    result = reply.result
     stats = dict(result.get("stats") or {})
     if "seconds" not in stats:
         stats["seconds"] = stats.get("end_to_end")
@@ -250,70 +173,145 @@ def _chat_entry(result: dict, model: str) -> dict:
         stats["tok_s"] = stats.get("decode_tok_s") or 0.0
     stats["model"] = model
     stats["finish_reason"] = result["finish_reason"]
-    return {"text": result["text"], "tokens": list(result["tokens"]), "finish_reason": result["finish_reason"],
-            "stats": stats}
+    stats.setdefault("dropped_turns", reply.dropped_turns)
+    return {"conversation_id": reply.conversation_id, "user_message_id": reply.user_message_id,
+            "message_id": reply.message_id, "text": result["text"], "tokens": list(result["tokens"]),
+            "finish_reason": result["finish_reason"], "stats": stats}
+
+
+def _failed_entry(reply, error: str) -> dict:
+    """A failed answer: its ids when it was stored (as failed), just the sentence when nothing was kept."""
+    if reply is None or reply.rejected:
+        return {"error": error}
+    return {"conversation_id": reply.conversation_id, "user_message_id": reply.user_message_id,
+            "message_id": reply.message_id, "error": error}
 
 
 def _speed_line(stats: dict) -> str:
     seconds = stats.get("seconds") or 0.0
+    dropped = stats.get("dropped_turns") or 0
     return (f"{stats['tokens']} tokens in {seconds:.2f} s ({stats['tok_s']} tok/s, "
-            f"first token after {stats.get('time_to_first_token')} s, {stats['finish_reason']})")
+            f"first token after {stats.get('time_to_first_token')} s, {stats['finish_reason']})"
+            + (f"; {dropped} earlier turn{'s' if dropped != 1 else ''} left out to fit the context" if dropped else ""))
+
+
+def _list_conversations(store, as_json: bool) -> int:
+    rows = store.list()
+    if as_json:
+        print(json.dumps(rows, ensure_ascii=False, indent=2))
+        return 0
+    if not rows:
+        _err(f"No conversations are stored yet (store: {store.path}).")
+        return 0
+    print(f"{'ID':>5}  {'UPDATED':<16}  {'MSGS':>4}  {'MODEL':<24}  TITLE")
+    for r in rows:
+        updated = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["updated"]))
+        print(f"{r['id']:>5}  {updated:<16}  {r['messages']:>4}  {r['model']:<24}  {r['title']}")
+    return 0
 
 
 def cmd_chat(args) -> int:
-    from engine.engine import ChatRequest
-    from engine.models import CHAT
-    from engine.sampling import SamplingParams
+    from engine.conversations import Conversations, check_message, sampling_params
+    from engine.models import CHAT, DEFAULT_CHAT
+
+    store_modes = [flag for flag, on in (("--list", args.list), ("--export", args.export is not None)) if on]
+    if store_modes:
+        if len(store_modes) > 1:
+            raise CadenceError("Give either --list or --export ID, not both.")
+        if args.prompt is not None or args.prompts is not None or args.conversation is not None:
+            raise CadenceError(f"{store_modes[0]} reads the store; it cannot be combined with a prompt, "
+                               "--prompts or --conversation.")
+    if args.format is not None and args.export is None:
+        raise CadenceError("--format goes with --export ID (md or json).")
+    if args.list:
+        return _list_conversations(Conversations(), args.json)
+    if args.export is not None:
+        if args.json and args.format not in (None, "json"):
+            raise CadenceError(f"--json exports JSON; it cannot be combined with --format {args.format}.")
+        sys.stdout.write(Conversations().export(args.export, "json" if args.json else (args.format or "md")))
+        sys.stdout.flush()
+        return 0
 
     if args.prompt is not None and args.prompts is not None:
         raise CadenceError("Give either a PROMPT or --prompts FILE, not both.")
     if args.prompt is None and args.prompts is None:
         raise CadenceError("Give a PROMPT, or --prompts FILE with one prompt per line ('-' reads stdin).")
-    if args.prompt is not None and not args.prompt.strip():
-        raise CadenceError("The prompt is empty.")
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, stop=list(args.stop or []), seed=args.seed,
-        max_tokens=args.max_tokens,
-    ).validate()
+    if args.conversation is not None and args.prompts is not None:
+        raise CadenceError("--conversation continues one conversation with one PROMPT; it cannot take --prompts.")
+    if args.prompt is not None:
+        check_message(args.prompt)
+    flags = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    store = Conversations()  # no engine yet: everything is checked before a model loads
+    conversation = store.get(args.conversation) if args.conversation is not None else None
+    if conversation is not None:  # flags given change the conversation's settings from this turn on
+        params = sampling_params(dataclasses.asdict(conversation.params) | flags)
+        model = args.model or conversation.model
+    else:
+        params = sampling_params(flags)
+        model = args.model or DEFAULT_CHAT
     batch = parse_batch(args.batch)
+    source = _check_model(model, CHAT)
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
     single = args.prompt is not None
-    source = _check_model(args.model, CHAT)
+    if conversation is not None and (flags or args.system is not None or args.model):
+        store.update(conversation.id, model=args.model, system=args.system, params=params if flags else None)
 
     entries: list[dict] = []
     failed = 0
     streamed = False
     try:
         with _Session(args.backend, batch) as session:
-            _err(f"Answering {len(prompts)} prompt{'s' if len(prompts) != 1 else ''} with {source.name} "
-                 f"on {session.engine.device}...")
-            handles = [session.submit(ChatRequest(prompt=p, system=args.system, model=args.model, params=params))
-                       for p in prompts]
-            for number, handle in enumerate(handles, 1):
-                if not args.json and not single:  # a header before each answer, a blank line between
-                    sys.stdout.write(("" if number == 1 else "\n") + f"### Prompt {number}\n")
-                for event in session.follow(handle):  # without --json, stream the answer as it comes
-                    if event.kind == "delta" and event.text and not args.json:
-                        sys.stdout.write(event.text)
+            conversations = Conversations(session.engine, store.path)
+            try:
+                _err(f"Answering {len(prompts)} prompt{'s' if len(prompts) != 1 else ''} with {source.name} "
+                     f"on {session.engine.device}...")
+                replies: list = []
+                for prompt in prompts:  # every prompt is submitted before any answer is read
+                    try:
+                        if conversation is not None:
+                            replies.append(conversations.send(conversation.id, prompt))
+                        else:
+                            replies.append(conversations.start(prompt, model=model, system=args.system, params=params))
+                    except CadenceError as exc:
+                        if single:
+                            raise
+                        replies.append(exc)
+                for number, reply in enumerate(replies, 1):
+                    if not args.json and not single:  # a header before each answer, a blank line between
+                        sys.stdout.write(("" if number == 1 else "\n") + f"### Prompt {number}\n")
+                    try:
+                        if isinstance(reply, CadenceError):
+                            raise reply
+                        for text in reply:  # without --json, stream the answer as it comes
+                            if not args.json:
+                                sys.stdout.write(text)
+                                sys.stdout.flush()
+                                streamed = True
+                        reply.wait()
+                    except CadenceError as exc:
+                        failed += 1
+                        entries.append(_failed_entry(None if isinstance(reply, CadenceError) else reply, str(exc)))
+                        _err(str(exc) if single else f"Prompt {number}: {exc}")
+                        if streamed:
+                            sys.stdout.write("\n")
+                            streamed = False
+                        continue
+                    entry = _chat_entry(reply, source.name)
+                    entries.append(entry)
+                    if not args.json:
+                        sys.stdout.write("\n")
                         sys.stdout.flush()
-                        streamed = True
-                try:
-                    entry = _chat_entry(handle.result(), source.name)
-                except CadenceError as exc:
-                    failed += 1
-                    entries.append({"error": str(exc)})
-                    _err(str(exc) if single else f"Prompt {number}: {exc}")
-                    continue
-                entries.append(entry)
-                if not args.json:
-                    sys.stdout.write("\n")
-                    sys.stdout.flush()
-                    streamed = False
-                _err(_speed_line(entry["stats"]) if single else f"Prompt {number}: {_speed_line(entry['stats'])}")
-            elapsed = session.elapsed()
-            note = session.width_note(args.model)
+                        streamed = False
+                    _err(_speed_line(entry["stats"]) if single else f"Prompt {number}: {_speed_line(entry['stats'])}")
+                started = [r.started_at for r in replies if not isinstance(r, CadenceError) and r.started_at]
+                session.first_started = min(started) if started else None
+                elapsed = session.elapsed()
+                note = session.width_note(model)
+            except KeyboardInterrupt:
+                conversations.close("stopped", timeout=INTERRUPT_SHUTDOWN_S)  # partial answers kept as stopped
+                raise
+            finally:
+                conversations.close()
     except KeyboardInterrupt:
         if streamed:
             sys.stdout.write("\n")
@@ -357,36 +355,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a JSON list")
     p.set_defaults(func=cmd_models)
 
+    from engine.cli_transcribe import cmd_transcribe
+
     p = sub.add_parser("transcribe", help="transcribe audio or video files (folders are searched recursively)")
-    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("files", nargs="*", metavar="FILE")
     p.add_argument("--model", default=DEFAULT_WHISPER, help=f"model name or path (default {DEFAULT_WHISPER})")
     p.add_argument("--language", default=None, help="language code such as en or de (multilingual models detect it)")
     p.add_argument("--task", choices=("transcribe", "translate"), default="transcribe")
     p.add_argument("--format", choices=FORMATS, default=None, help="txt (default), srt, vtt or json")
-    p.add_argument("--json", action="store_true", help="the same as --format json")
-    p.add_argument("--out", metavar="DIR", help="write one file per input into DIR instead of printing")
+    p.add_argument("--json", action="store_true", help="print one JSON list to stdout (no files unless --out DIR)")
+    p.add_argument("--out", metavar="DIR", help="write one file per input into DIR ('-': print to stdout; "
+                   "default: next to each input)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    p.add_argument("--resume", action="store_true", help="continue every unfinished job in the store (after a "
+                   "crash or a kill), without decoding its finished windows again")
     _add_engine_flags(p, BACKENDS)
     p.set_defaults(func=cmd_transcribe)
 
-    p = sub.add_parser("chat", help="answer one prompt (streamed), or several side by side")
+    p = sub.add_parser("chat", help="answer one prompt (streamed), or several side by side; every chat is stored")
     p.add_argument("prompt", nargs="?", default=None, metavar="PROMPT")
     p.add_argument("--prompts", metavar="FILE", default=None,
-                   help="answer one prompt per non-empty line of FILE ('-' reads stdin), all at once")
-    p.add_argument("--model", default=DEFAULT_CHAT, help=f"model name or path (default {DEFAULT_CHAT})")
+                   help="answer one prompt per non-empty line of FILE ('-' reads stdin), all at once, each in a new "
+                        "conversation")
+    p.add_argument("--conversation", type=int, metavar="ID", default=None,
+                   help="continue stored conversation ID with PROMPT (its settings, changed by the flags given)")
+    p.add_argument("--list", action="store_true", help="list the stored conversations")
+    p.add_argument("--export", type=int, metavar="ID", default=None, help="print stored conversation ID")
+    p.add_argument("--format", choices=("md", "json"), default=None, help="with --export: md (default) or json")
+    p.add_argument("--model", default=None, help=f"model name or path (default {DEFAULT_CHAT})")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 is off (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 is off (default)")
-    p.add_argument("--min-p", type=float, default=0.0, help="0 is off (default)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 is off (default)")
-    p.add_argument("--presence-penalty", type=float, default=0.0, help="-2 to 2; 0 is off (default)")
-    p.add_argument("--frequency-penalty", type=float, default=0.0, help="-2 to 2; 0 is off (default)")
+    p.add_argument("--max-tokens", type=int, default=None, help="longest answer in tokens (default 256)")
+    p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=None, help="1 is off (default)")
+    p.add_argument("--top-k", type=int, default=None, help="0 is off (default)")
+    p.add_argument("--min-p", type=float, default=None, help="0 is off (default)")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="1 is off (default)")
+    p.add_argument("--presence-penalty", type=float, default=None, help="-2 to 2; 0 is off (default)")
+    p.add_argument("--frequency-penalty", type=float, default=None, help="-2 to 2; 0 is off (default)")
     p.add_argument("--stop", action="append", metavar="TEXT", help="end the answer before TEXT (repeatable)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true",
-                   help='print {"text", "tokens", "finish_reason", "stats"} (a list of them with --prompts)')
+                   help='print {"conversation_id", "user_message_id", "message_id", "text", "tokens", "finish_reason", '
+                        '"stats"} (a list of them with --prompts); with --list or --export, JSON')
     _add_engine_flags(p, BACKENDS)
     p.set_defaults(func=cmd_chat)
 

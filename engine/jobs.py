@@ -130,7 +130,7 @@ def submit_job(engine, jobs: JobStore, job_id: int):
 
     job = jobs.get(job_id)
     if not Path(job.path).exists():
-        message = f"{Path(job.path).name} no longer exists (it was moved or deleted)."
+        message = f"{Path(job.path).name} does not exist (or was moved or deleted)."
         jobs.failed(job_id, message)
         raise CadenceError(message)
     store_path = jobs.path

@@ -44,30 +44,36 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (job_id, idx)
     );
 
-    -- Conversations (engine/conversations.py).
+    -- Conversations (engine/conversations.py). Messages form a tree: regenerating an answer or
+    -- editing a message adds a sibling; the active branch follows the active child at each level.
     CREATE TABLE conversations (
         id INTEGER PRIMARY KEY,
         title TEXT NOT NULL DEFAULT '',
         model TEXT NOT NULL,
         system TEXT,
-        params TEXT NOT NULL DEFAULT '{}',       -- JSON: sampling settings
-        context TEXT,                            -- JSON: e.g. the transcription job it is about
+        params TEXT NOT NULL DEFAULT '{}',       -- JSON: sampling settings (engine.sampling.SamplingParams)
+        context TEXT,                            -- JSON: e.g. the transcript (and job id) it is about
         created REAL NOT NULL,
         updated REAL NOT NULL
     );
+    CREATE INDEX conversations_updated ON conversations(updated);
     CREATE TABLE messages (
         id INTEGER PRIMARY KEY,
         conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-        parent_id INTEGER REFERENCES messages(id) ON DELETE CASCADE,  -- the turn it follows (a tree:
-                                                 -- regenerate and edit add siblings)
-        role TEXT NOT NULL,                      -- system | user | assistant
-        content TEXT NOT NULL,
-        state TEXT NOT NULL DEFAULT 'complete',  -- complete | streaming | interrupted | failed
-        stats TEXT,                              -- JSON: tokens, timings, finish reason
+        parent_id INTEGER REFERENCES messages(id) ON DELETE CASCADE,  -- the message it follows
+        role TEXT NOT NULL,                      -- user | assistant
+        content TEXT NOT NULL,                   -- a streaming answer: the text so far
+        state TEXT NOT NULL DEFAULT 'complete',  -- complete | streaming | stopped | interrupted | failed
+        active INTEGER NOT NULL DEFAULT 1,       -- 1: the sibling on the active branch
+        error TEXT,                              -- why it failed (one sentence)
+        stats TEXT,                              -- JSON: tokens, timings, finish reason, dropped turns
+        writer TEXT,                             -- the process writing a streaming answer (pid:start time)
         created REAL NOT NULL,
         updated REAL NOT NULL
     );
     CREATE INDEX messages_conversation ON messages(conversation_id);
+    CREATE INDEX messages_parent ON messages(parent_id);
+    CREATE INDEX messages_streaming ON messages(state) WHERE state = 'streaming';
     """,
 ]
 

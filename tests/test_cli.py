@@ -5,7 +5,9 @@ model-running commands are kept few and their outputs shared through module fixt
 """
 
 import json
+import os
 import signal
+import sqlite3
 import subprocess
 import sys
 
@@ -18,9 +20,10 @@ PROMPTS = [
 ]
 
 
-def cadence(*args, check_rc=None, stdin=None):
+def cadence(*args, check_rc=None, stdin=None, data_dir=None):
+    env = None if data_dir is None else dict(os.environ, CADENCE_DATA_DIR=str(data_dir))
     proc = subprocess.run([sys.executable, "-m", "engine", *args], check=False, capture_output=True, text=True,
-                          timeout=600, input=stdin)
+                          timeout=600, input=stdin, env=env)
     if check_rc is not None:
         assert proc.returncode == check_rc, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -39,17 +42,16 @@ def test_models_json():
 def test_transcribe_json_schema_and_partial_failure(speech, tmp_path, tiny):
     garbage = tmp_path / "noise.wav"
     garbage.write_bytes(b"RIFF" + bytes(1000))
-    proc = cadence("transcribe", str(speech["fox"]), str(garbage), str(speech["report"]), "--format", "json",
-                   check_rc=1)
+    proc = cadence("transcribe", str(speech["fox"]), str(garbage), str(speech["report"]), "--json", check_rc=1)
     results = json.loads(proc.stdout)
     assert [r["file"] for r in results] == [str(speech["fox"]), str(garbage), str(speech["report"])]
     good, bad, good2 = results
-    assert set(good) >= {"file", "text", "language", "segments", "stats", "model"}
+    assert set(good) >= {"file", "text", "language", "segments", "stats", "model", "job"}
     assert good["language"] == "en" and "fox" in good["text"].lower()
     assert good["model"] == "whisper-tiny.en"
     assert {"start", "end", "text"} == set(good["segments"][0])
     assert {"tokens", "seconds", "tok_s"} <= set(good["stats"]) and good["stats"]["tokens"] > 0
-    assert set(bad) == {"file", "error"} and bad["error"].endswith(".")
+    assert set(bad) == {"file", "job", "error"} and bad["error"].endswith(".")
     assert "finance" in good2["text"].lower()
 
 
@@ -109,14 +111,19 @@ def serial_answers(smollm):
             for p in PROMPTS]
 
 
+CHAT_KEYS = {"conversation_id", "user_message_id", "message_id", "text", "tokens", "finish_reason", "stats"}
+
+
 def test_chat_json_schema(serial_answers):
     result = serial_answers[0]
-    assert set(result) == {"text", "tokens", "finish_reason", "stats"}
+    assert set(result) == CHAT_KEYS
     assert "Paris" in result["text"]
     assert result["finish_reason"] in ("stop", "length")
     assert all(isinstance(t, int) for t in result["tokens"])
     stats = result["stats"]
-    assert {"prompt_tokens", "tokens", "seconds", "time_to_first_token", "tok_s", "model", "finish_reason"} <= set(stats)
+    assert {"prompt_tokens", "tokens", "seconds", "time_to_first_token", "tok_s", "model", "finish_reason",
+            "dropped_turns"} <= set(stats)
+    assert stats["dropped_turns"] == 0
     assert stats["tokens"] == len(result["tokens"]) and stats["tok_s"] > 0
     assert stats["model"] == "smollm2-135m-instruct" and stats["finish_reason"] == result["finish_reason"]
 
@@ -127,8 +134,9 @@ def test_chat_prompts_file_equals_each_prompt_alone(serial_answers, tmp_path):
     proc = cadence("chat", "--prompts", str(prompts), "--json", "--max-tokens", "12", "--batch", "4", check_rc=0)
     answers = json.loads(proc.stdout)
     assert isinstance(answers, list) and len(answers) == len(PROMPTS)
+    assert len({a["conversation_id"] for a in answers}) == len(PROMPTS)  # each prompt a conversation of its own
     for batched, alone in zip(answers, serial_answers):
-        assert set(batched) == {"text", "tokens", "finish_reason", "stats"}
+        assert set(batched) == CHAT_KEYS
         assert batched["tokens"] == alone["tokens"]
         assert batched["text"] == alone["text"]
         assert batched["finish_reason"] == alone["finish_reason"]
@@ -161,18 +169,93 @@ def test_chat_streams_to_terminal(smollm):
     assert "tok/s" in proc.stderr
 
 
-def test_ctrl_c_cancels_and_exits_130(smollm):
+def test_ctrl_c_cancels_and_exits_130(smollm, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "engine", "chat", "Write a long story about a dragon.",
                              "--max-tokens", "2000", "--batch", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, CADENCE_DATA_DIR=str(tmp_path)))
     try:
-        assert proc.stdout.read(1)  # the answer has started streaming
+        shown = proc.stdout.read(1)  # the answer has started streaming
+        assert shown
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=30)
+        stdout, stderr = proc.communicate(timeout=30)
     finally:
         proc.kill()
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr and "Traceback" not in stderr
+    # The answer so far is kept, marked as stopped by the user.
+    db = sqlite3.connect(tmp_path / "cadence.sqlite3")
+    answers = db.execute("SELECT content, state FROM messages WHERE role = 'assistant'").fetchall()
+    db.close()
+    [(content, state)] = answers
+    assert state == "stopped" and content.startswith((shown + stdout).rstrip("\n"))
+
+
+def _rows(data_dir):
+    """Every row of the conversation tables in the store under data_dir."""
+    db = sqlite3.connect(data_dir / "cadence.sqlite3")
+    try:
+        return {t: db.execute(f"SELECT * FROM {t} ORDER BY id").fetchall() for t in ("conversations", "messages")}
+    finally:
+        db.close()
+
+
+def test_chat_is_stored_continued_listed_and_exported(tmp_path, smollm):
+    first = json.loads(cadence("chat", "My name is Ada.", "--json", "--max-tokens", "8", "--system", "Be brief.",
+                               data_dir=tmp_path, check_rc=0).stdout)
+    cid = first["conversation_id"]
+    proc = cadence("chat", "What is my name?", "--conversation", str(cid), "--max-tokens", "6", "--top-k", "3",
+                   data_dir=tmp_path, check_rc=0)
+    streamed = proc.stdout.rstrip("\n")
+    assert streamed  # streamed to the terminal, and stored
+    rows = json.loads(cadence("chat", "--list", "--json", data_dir=tmp_path, check_rc=0).stdout)
+    assert [(r["id"], r["title"], r["model"], r["messages"]) for r in rows] == [
+        (cid, "My name is Ada.", "smollm2-135m-instruct", 4)]
+    table = cadence("chat", "--list", data_dir=tmp_path, check_rc=0).stdout.splitlines()
+    assert table[0].split() == ["ID", "UPDATED", "MSGS", "MODEL", "TITLE"]
+    assert table[1].split()[0] == str(cid) and table[1].endswith("My name is Ada.")
+
+    data = json.loads(cadence("chat", "--export", str(cid), "--format", "json", data_dir=tmp_path, check_rc=0).stdout)
+    assert [(m["role"], m["content"]) for m in data["messages"]] == [
+        ("user", "My name is Ada."), ("assistant", first["text"]), ("user", "What is my name?"), ("assistant", streamed)]
+    assert data["messages"][1]["id"] == first["message_id"] and data["messages"][0]["id"] == first["user_message_id"]
+    assert data["system"] == "Be brief." and data["params"]["top_k"] == 3  # flags given change the settings
+    assert data["params"]["max_tokens"] == 6 and all(m["state"] == "complete" for m in data["messages"])
+    md = cadence("chat", "--export", str(cid), data_dir=tmp_path, check_rc=0).stdout
+    assert md.startswith("# My name is Ada.") and "## You\n\nWhat is my name?" in md and streamed in md
+
+
+def test_chat_bad_input_is_one_sentence_and_stores_nothing(tmp_path, smollm):
+    cadence("chat", "Hello.", "--max-tokens", "2", data_dir=tmp_path, check_rc=0)
+    before = _rows(tmp_path)
+    for args, words in [
+        (["chat", "hi", "--conversation", "99"], "There is no conversation 99."),
+        (["chat", ""], "The message is empty."),
+        (["chat", "x" * 110_000], "at most 100,000"),
+        (["chat", "hi", "--conversation", "1", "--top-p", "1.5"], "top-p"),
+        (["chat", "hi", "--conversation", "1", "--temperature", "-1"], "Temperature"),
+        (["chat", "--export", "99"], "There is no conversation 99."),
+        (["chat", "--list", "hi"], "--list"),
+        (["chat", "hi", "--format", "md"], "--format goes with --export"),
+        (["chat", "--prompts", "-", "--conversation", "1"], "--conversation"),
+    ]:
+        proc = cadence(*args, data_dir=tmp_path, check_rc=2)
+        assert words in proc.stderr and proc.stderr.strip().count("\n") == 0 and proc.stdout == "", args
+    # Too many tokens for the context, though not too many characters: the request fails, nothing is kept.
+    long = "The quick brown fox jumps over the lazy dog near the quiet river bank. " * 220
+    proc = cadence("chat", long, "--conversation", "1", data_dir=tmp_path, check_rc=1)
+    assert "tokens, more than the" in proc.stderr and proc.stdout == "" and "Traceback" not in proc.stderr
+    assert _rows(tmp_path) == before
+    # In a prompts file a bad prompt fails alone (status 1); the others are answered and stored.
+    proc = cadence("chat", "--prompts", "-", "--json", "--max-tokens", "2", stdin="x" * 2**20 + "\nSay hi.\n",
+                   data_dir=tmp_path, check_rc=1)
+    bad, good = json.loads(proc.stdout)
+    assert bad == {"error": "The message is 1,048,576 characters long; a message can have at most 100,000."}
+    assert set(good) == CHAT_KEYS
+    after = _rows(tmp_path)
+    assert after["conversations"][:-1] == before["conversations"] and len(after["conversations"]) == 2
+    assert after["messages"][: len(before["messages"])] == before["messages"]
+    assert len(after["messages"]) == len(before["messages"]) + 2
 
 
 # ---------------------------------------------------------------- usage errors

@@ -70,7 +70,7 @@ def test_failures_and_cancellation_touch_only_their_own_job(engine4, jobs, speec
         try:
             handles[name] = submit_job(engine4, jobs, job_id)
         except CadenceError as exc:
-            assert name == "gone" and "no longer exists" in str(exc)
+            assert name == "gone" and "does not exist" in str(exc)
     long_handle = handles["long"]
     long_handle.cancel()
     outcomes = {}

@@ -1,0 +1,125 @@
+"""``cadence transcribe``: files and folders in, transcripts out, every file a job in the store.
+
+Each input becomes a job in the SQLite store before decoding starts, and its windows are recorded
+as they finish, so ``cadence transcribe --resume`` after a crash or a kill continues every
+unfinished job without decoding its finished windows again. All jobs are submitted to the engine
+at once, so files decode side by side; outputs are written in input order: next to each input by
+default, into ``--out DIR``, or to stdout with ``--out -``. ``--json`` prints one JSON list.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from engine.cli import _check_model, _err, _Session, expand_inputs, parse_batch
+from engine.errors import CadenceError
+
+
+def _target(job, fmt: str) -> Path | None:
+    """Where a job's output goes: None for stdout."""
+    out = job.options.get("out")
+    if out == "-":
+        return None
+    folder = Path(out).expanduser() if out else Path(job.path).parent
+    return folder / f"{Path(job.path).stem}.{fmt}"
+
+
+def _follow(session: _Session, handle, name: str, show_progress: bool) -> None:
+    shown = False
+    for event in session.follow(handle):
+        if show_progress and event.kind == "progress" and event.total > 1:
+            sys.stderr.write(f"\r{name}: window {event.done}/{event.total}\033[K")
+            sys.stderr.flush()
+            shown = True
+    if shown:
+        sys.stderr.write("\r\033[K")
+
+
+def cmd_transcribe(args) -> int:
+    from engine.formats import render
+    from engine.jobs import JobStore, settle_job, submit_job
+    from engine.models import WHISPER
+
+    if args.json and args.format not in (None, "json"):
+        raise CadenceError(f"--json prints JSON; it cannot be combined with --format {args.format}.")
+    fmt = "json" if args.json else (args.format or "txt")
+    batch = parse_batch(args.batch)
+    jobs = JobStore()
+    if not args.files and not args.resume:
+        raise CadenceError("Give audio files or folders to transcribe, or --resume to continue unfinished jobs.")
+    ids: list[int] = []
+    if args.resume:
+        ids += [job.id for job in jobs.unfinished()]
+        _err(f"Resuming {len(ids)} unfinished job{'s' if len(ids) != 1 else ''}.")
+    if args.files:
+        source = _check_model(args.model, WHISPER)
+        files = expand_inputs(args.files)
+        if not files:
+            raise CadenceError("No audio files were found in what was given.")
+        out = args.out
+        if out and out != "-":
+            try:
+                Path(out).expanduser().mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise CadenceError(f"The output folder {out} cannot be created ({exc.strerror or exc}).") from None
+        options = {"format": fmt, "out": out if not (args.json and not out) else "-", "overwrite": args.overwrite,
+                   "language": args.language, "task": args.task}
+        ids += [jobs.create(path.absolute(), source.name, options) for path in files]
+    if not ids:
+        return 0
+
+    show_progress = sys.stderr.isatty()
+    entries, failed = [], 0
+    with _Session(args.backend, batch) as session:
+        handles = {}
+        for job_id in ids:  # refuse what cannot be written before decoding anything
+            job = jobs.get(job_id)
+            target = _target(job, job.options.get("format", fmt))
+            try:
+                if target is not None and target.exists() and not job.options.get("overwrite"):
+                    raise CadenceError(f"{target} already exists (use --overwrite to replace it).")
+                handles[job_id] = submit_job(session.engine, jobs, job_id)
+                session.handles.append(handles[job_id])
+            except CadenceError as exc:
+                jobs.failed(job_id, str(exc))
+        for job_id in ids:
+            job = jobs.get(job_id)
+            job_fmt = job.options.get("format", fmt)
+            name = Path(job.path).name
+            try:
+                if job_id not in handles:
+                    raise CadenceError(job.error or f"{name} could not be started.")
+                _follow(session, handles[job_id], name, show_progress)
+                transcript = settle_job(jobs, job_id, handles[job_id], job.model)
+                s = transcript.stats
+                _err(f"{job.path}: {s['tokens']} tokens in {s['seconds']:.2f} s "
+                     f"({s['tok_s']} tok/s, {s['realtime_factor']}x real time)")
+                entry = transcript.to_json() | {"file": job.path, "model": job.model, "job": job_id}
+                target = _target(job, job_fmt)
+                if target is not None:
+                    if target.exists() and not job.options.get("overwrite"):  # two inputs with the same name
+                        raise CadenceError(f"{target} already exists (use --overwrite to replace it).")
+                    target.write_text(render(transcript, job_fmt), encoding="utf-8")
+                    entry["output"] = str(target)
+                elif job_fmt != "json":
+                    sys.stdout.write(render(transcript, job_fmt))
+                    sys.stdout.flush()
+            except CadenceError as exc:
+                failed += 1
+                entry = {"file": job.path, "job": job_id, "error": str(exc)}
+                _err(f"{job.path}: {exc}")
+            except OSError as exc:  # writing the output failed
+                failed += 1
+                entry = {"file": job.path, "job": job_id,
+                         "error": f"The output for {name} could not be written ({exc.strerror or exc})."}
+                jobs.failed(job_id, entry["error"])
+                _err(f"{job.path}: {entry['error']}")
+            entries.append(entry)
+        elapsed = session.elapsed()
+        note = session.width_note(args.model)
+    if args.json:
+        print(json.dumps(entries, ensure_ascii=False, indent=2))
+    _err(f"{len(ids) - failed} of {len(ids)} file{'s' if len(ids) != 1 else ''} transcribed in {elapsed:.2f} s{note}.")
+    return 1 if failed else 0
