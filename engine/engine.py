@@ -172,6 +172,16 @@ class Engine:
         self._stop.set()
         self._commands.put(("stop", None))
         self._thread.join(timeout)
+        # A submit that raced the stop command was queued behind it: it still gets its final event.
+        while True:
+            try:
+                command, handle = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command == "submit" and handle._final is None:
+                handle._emit(Event("failed", handle.id, message="The engine was shut down."))
+            elif command == "log" and handle is not None:
+                handle.close()
         if self._step_log is not None:
             self._step_log.close()
             self._step_log = None

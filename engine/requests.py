@@ -146,9 +146,10 @@ def start_chat(engine, handle) -> list[Sequence]:
         rest = stream.flush()
         if rest:
             handle._emit(Event("delta", handle.id, text=rest))
-        # A cancelled answer is still a result: the tokens produced so far, marked "cancelled".
+        # A cancelled answer is still a result: the tokens produced so far, marked "cancelled". The text is
+        # what was streamed (a half-written character at the end is left out, never shown as U+FFFD).
         result = {
-            "text": stream.text if stream.stopped else ref.tokenizer.decode(seq.tokens, skip_special_tokens=True),
+            "text": stream.text,
             "tokens": list(seq.tokens),
             "finish_reason": seq.finish_reason,
             "stats": {"prompt_tokens": len(ids), **seq.timings()},

@@ -150,3 +150,16 @@ def test_preparation_runs_to_readiness_when_nobody_is_decoding():
     lane.add(seq)
     record = lane.step()
     assert record is not None and seq.tokens  # no step was wasted waiting
+
+
+def test_a_submit_that_races_shutdown_still_gets_its_final_event():
+    from engine.engine import Handle
+
+    engine = Engine(backend="cpu", batch=1)
+    engine._stop.set()  # shutdown has begun: its stop command is queued ...
+    engine._commands.put(("stop", None))
+    late = Handle(engine, ChatRequest("hello"))
+    engine._commands.put(("submit", late))  # ... and a submit that passed the check lands behind it
+    engine.shutdown(timeout=30)
+    with pytest.raises(CadenceError, match="shut down"):
+        late.result(timeout=5)
