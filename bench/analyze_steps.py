@@ -95,6 +95,13 @@ def plot(records: list[dict], out: Path, stem: str) -> list[Path]:
     written = []
     out.mkdir(parents=True, exist_ok=True)
 
+    def save(fig, name: str) -> Path:
+        fig.tight_layout()
+        path = out / f"{stem}-{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     t0 = min(r["t"] for r in records)
     for lane, steps in lanes.items():
@@ -107,11 +114,7 @@ def plot(records: list[dict], out: Path, stem: str) -> list[Path]:
     ax2.set_ylabel("busy slots")
     ax2.set_xlabel("seconds")
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / f"{stem}-timeline.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(save(fig, "timeline"))
 
     fig, ax = plt.subplots(figsize=(8, 4))
     for lane, steps in lanes.items():
@@ -119,11 +122,7 @@ def plot(records: list[dict], out: Path, stem: str) -> list[Path]:
     ax.set_xlabel("step ms")
     ax.set_ylabel("steps")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / f"{stem}-step-ms.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(save(fig, "step-ms"))
 
     fig, axes = plt.subplots(len(lanes), 1, figsize=(10, 3 * len(lanes)), squeeze=False)
     for ax, (lane, steps) in zip(axes[:, 0], lanes.items()):
@@ -133,11 +132,7 @@ def plot(records: list[dict], out: Path, stem: str) -> list[Path]:
         ax.set_ylabel("tok/s")
         ax.legend(fontsize=6, ncol=4)
     axes[-1, 0].set_xlabel("seconds")
-    fig.tight_layout()
-    path = out / f"{stem}-slots.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(save(fig, "slots"))
     return written
 
 

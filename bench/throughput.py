@@ -130,6 +130,41 @@ def whisper_tables(widths, device):
     return clips
 
 
+def encoder_table(device):
+    """One 30-s window through Cadence's encoder and through CTranslate2's (faster-whisper), best of 3."""
+    import ctranslate2
+    import numpy as np
+
+    from bench.common import faster_whisper_model, in_fresh_thread
+    from engine.families.whisper import WhisperBatched
+    from engine.loading import load
+
+    work = Path(tempfile.mkdtemp())
+    print("\n## Whisper encoder, one 30-s window (best of 3)\n")
+    print("| model | Cadence (s) | CTranslate2 (s) |")
+    print("|---|---|---|")
+    for name in ("whisper-tiny.en", "whisper-base"):
+        decoder = WhisperBatched(load(name, device=device))
+        fw = faster_whisper_model(name, work / name, torch.get_num_threads())
+        features = np.random.default_rng(0).standard_normal((1, decoder.conv1.in_channels, 3000)).astype(np.float32)
+        window = torch.from_numpy(features).to(device)
+        stored = ctranslate2.StorageView.from_array(features)
+
+        def best(fn):
+            fn()
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        ours = in_fresh_thread(best, lambda: decoder.encode(window))
+        theirs = in_fresh_thread(best, lambda: fw.model.encode(stored, to_cpu=False))
+        print(f"| {name} | {ours:.3f} | {theirs:.3f} |", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def stall_table(width, device):
     """A running slot's worst gap between tokens while others join, against its usual gap."""
     from bench.common import speech_samples
@@ -182,7 +217,7 @@ def main():
     parser.add_argument("--widths", default="1,2,4,8")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--only", choices=("chat", "whisper", "stall"), default=None)
+    parser.add_argument("--only", choices=("chat", "whisper", "encoder", "stall"), default=None)
     args = parser.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
     print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads\n")
@@ -190,6 +225,8 @@ def main():
         chat_table(widths, args.tokens, args.device)
     if args.only in (None, "whisper"):
         whisper_tables(widths, args.device)
+    if args.only in (None, "encoder"):
+        encoder_table(args.device)
     if args.only in (None, "stall"):
         stall_table(max(widths), args.device)
 

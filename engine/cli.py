@@ -39,19 +39,15 @@ def _quiet_libraries() -> None:
 
 
 def parse_batch(text: str | None) -> str | int | None:
-    """--batch: 'auto', 'off' or a width N >= 1; None (flag not given) lets the engine read CADENCE_BATCH."""
+    """--batch: the engine's rule (auto, off or N >= 1); None (flag not given) lets the engine read CADENCE_BATCH."""
+    from engine.engine import parse_batch as engine_parse_batch
+
     if text is None:
         return None
-    value = text.strip().lower()
-    if value in ("auto", "off"):
-        return value
     try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise CadenceError(f"--batch must be auto, off or a whole number of slots of 1 or more (got '{text}').")
-    return n
+        return engine_parse_batch(text)
+    except CadenceError as exc:
+        raise CadenceError(f"--batch: {exc}") from None
 
 
 def _check_model(name: str, family: str):
@@ -78,11 +74,8 @@ class _Session:
 
     def width_note(self, model: str) -> str:
         """', batch width N (from ...)' for a model whose lane is loaded, else ''."""
-        status = getattr(self.engine, "status", None)
-        lane = (status().get("lanes") or {}).get(model) if callable(status) else None
-        if not lane or "width" not in lane:
-            return ""
-        return f", batch width {lane['width']}" + (f" ({lane['width_from']})" if lane.get("width_from") else "")
+        lane = self.engine.status()["lanes"].get(model)
+        return f", batch width {lane['width']} ({lane['width_from']})" if lane else ""
 
     def submit(self, request):
         handle = self.engine.submit(request)

@@ -3,6 +3,10 @@
 A byte-level tokenizer can split one character over several tokens, and a stop string can span
 tokens, so a delta holds back an incomplete character at the end and any tail that could still
 grow into a stop string. When a stop string appears, the text ends just before it.
+
+Each token decodes only the few tokens since the last complete character (the new text is the
+difference between decoding them with and without the newest ones), so a long answer costs the
+same per token as a short one.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ class TextStream:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.tokens: list[int] = []
+        self._prefix = 0  # tokens[_prefix:_read] are decoded again as context for the next ones
+        self._read = 0  # tokens turned into text so far
+        self._decoded = ""  # their text
         self.text = ""  # the final text once stopped, else the text decoded so far
         self.emitted = 0  # characters of text already handed out
         self.stopped = False
@@ -22,9 +29,13 @@ class TextStream:
         if self.stopped:
             return ""
         self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete character: wait for the next token
+        decode = self.tokenizer.decode
+        before = decode(self.tokens[self._prefix : self._read], skip_special_tokens=True)
+        after = decode(self.tokens[self._prefix :], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):  # nothing new, or an incomplete character
             return ""
+        text = self._decoded = self._decoded + after[len(before) :]
+        self._prefix, self._read = self._read, len(self.tokens)
         self.text = text
         safe = len(text)
         if self.stop:

@@ -113,3 +113,13 @@ def test_seeded_sampling_with_every_rule_does_not_depend_on_the_batch(engine4, e
 def test_invalid_sampling_values_get_a_sentence(engine4, field, value, words):
     with pytest.raises(CadenceError, match=words):
         engine4.submit(ChatRequest("hi", params=SamplingParams(**{field: value}))).result(60)
+
+
+def test_streamed_text_equals_a_full_decode_over_a_long_answer(smollm):
+    """The incremental decode gives exactly the text of decoding all tokens at once."""
+    tok = smollm.tokenizer
+    text = " ".join(["Naïve café ☕ costs 3.5 €, don't   stop; 東京 ok!"] * 40)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    stream = TextStream(tok)
+    streamed = "".join(stream.push(t) for t in ids) + stream.flush()
+    assert streamed == tok.decode(ids, skip_special_tokens=True) == text
