@@ -131,13 +131,27 @@ class Handle:
         self._engine.cancel(self)
 
 
+def _recent_rate(stamps: list[float], last: int = 16) -> float | None:
+    """Tokens per second over a sequence's last few tokens (what the app graphs per slot)."""
+    recent = stamps[-last:]
+    if len(recent) < 2 or recent[-1] <= recent[0]:
+        return None
+    return round((len(recent) - 1) / (recent[-1] - recent[0]), 1)
+
+
 # ---------------------------------------------------------------------------- the engine
 class Engine:
     """``batch``: 'auto' (calibrated width per model and device), 'off' (the exact single-stream
     path: one slot) or a width N. None reads CADENCE_BATCH, else 'auto'."""
 
-    def __init__(self, backend: str = "auto", batch: str | int | None = None, step_log: str | Path | None = None):
+    def __init__(self, backend: str = "auto", batch: str | int | None = None, step_log: str | Path | None = None,
+                 drafter: str | None = None, draft_depth: int | None = None, draft_min_p: float = 0.0):
+        """``drafter``: 'auto' (the model's MTP head when one is shipped, else n-gram), 'mtp',
+        'ngram', 'draft:MODEL' or 'off'; None reads CADENCE_DRAFTER, else 'auto'. ``draft_depth``
+        fixes the drafts per slot and step (else chosen per slot, per step); ``draft_min_p`` skips
+        MTP drafts the head gives less than that probability."""
         from engine.backend import resolve_backend
+        from engine.drafting import DRAFTER_ENV, MAX_DEPTH, parse_drafter
 
         self.device = resolve_backend(backend)
         if batch is None:
@@ -145,6 +159,12 @@ class Engine:
                 (BATCH_ENV if os.environ.get(BATCH_ENV) else "default")
         else:
             self.batch, self.batch_source = parse_batch(batch), "argument"
+        self.drafter = parse_drafter(drafter if drafter is not None else os.environ.get(DRAFTER_ENV, "auto"))
+        if draft_depth is not None and (not isinstance(draft_depth, int) or not 0 <= draft_depth <= MAX_DEPTH):
+            raise CadenceError(f"Draft depth must be a whole number from 0 to {MAX_DEPTH} (got {draft_depth}).")
+        if not isinstance(draft_min_p, (int, float)) or not 0 <= draft_min_p < 1:
+            raise CadenceError(f"The draft min-p must be at least 0 and below 1 (got {draft_min_p}).")
+        self.draft_depth, self.draft_min_p = draft_depth, float(draft_min_p)
         step_log = step_log or os.environ.get(STEP_STATS_ENV)
         self._step_log = open(step_log, "a", buffering=1, encoding="utf-8") if step_log else None
         self._commands: queue.Queue = queue.Queue()
@@ -208,18 +228,34 @@ class Engine:
                 from engine.whisper_reference import WhisperReference
 
                 decoder, reference = WhisperBatched(loaded), WhisperReference(loaded)
-            if self.batch == "auto":
-                from engine.calibration import calibrate
+            from engine.calibration import calibrate
 
+            calibration = None
+            if self.batch == "auto" or self.drafter != "off":  # drafting needs the step-time curve too
                 calibration = calibrate(decoder, loaded.source.name, source_key(loaded.source))
+            if self.batch == "auto":
                 self._calibrations[model] = calibration
                 width = calibration.chosen
             else:
                 width = 1 if self.batch == "off" else self.batch
+            drafter, planner, state = self._drafter(model, loaded, decoder, width, calibration)
             decoder.allocate(width)
             self._references[model] = reference
-            self._lanes[model] = Lane(decoder, name=model, on_step=self._log_step)
+            self._lanes[model] = Lane(decoder, name=model, on_step=self._log_step, drafter=drafter, planner=planner,
+                                      drafting_state=state)
         return self._lanes[model]
+
+    def _drafter(self, model, loaded, decoder, width, calibration):
+        """The lane's drafter, depth planner and drafting state ('on', 'off' or 'off: why')."""
+        if self.drafter == "off":
+            return None, None, "off"
+        from engine.drafting import DepthPlanner, StepCost, build_drafter
+
+        drafter, state = build_drafter(self.drafter, model, loaded, decoder, self.device, width, self.draft_min_p)
+        if drafter is None:
+            return None, None, state
+        cost = StepCost(calibration.widths, calibration.step_ms)
+        return drafter, DepthPlanner(cost, drafter, self.draft_depth), state
 
     def _log_step(self, record) -> None:
         if self._step_log is not None:
@@ -242,12 +278,17 @@ class Engine:
                 "counters": lane.counters.to_json(),
                 "slots": [None if s is None else {"request": getattr(s.handle, "id", None), "window": s.index,
                                                   "tokens": len(s.tokens), "context": s.fed,
-                                                  "preparing": s.preparing is not None}
+                                                  "preparing": s.preparing is not None, "tok_s": _recent_rate(s.stamps),
+                                                  "drafted": s.draft_counts.drafted, "accepted": s.draft_counts.accepted,
+                                                  "acceptance": s.draft_counts.to_json()["acceptance"],
+                                                  "depth": s.draft_counts.last_depth}
                           for s in list(lane.slots)],
                 "waiting": len(lane.waiting),
+                "drafting": {"drafter": lane.drafter.name if lane.drafter else self.drafter, "state": lane.drafting_state,
+                             **lane.draft_counts.to_json()},
             }
         return {"backend": self.device, "backend_name": describe_backend(self.device), "batch": self.batch,
-                "batch_from": self.batch_source, "lanes": lanes}
+                "batch_from": self.batch_source, "drafter": self.drafter, "lanes": lanes}
 
     def reference(self, model: str):
         """The model's reference decoder, whose prompt and token rules requests reuse."""

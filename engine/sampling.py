@@ -107,6 +107,10 @@ class TokenPicker:
     def pick(self, logits: torch.Tensor) -> int:
         return pick_token(self.penalize(logits), self.params, self.generator)
 
+    def check(self, logits: torch.Tensor, draft: int) -> tuple[int, bool]:
+        """The token to emit where ``draft`` was proposed (see :func:`check_draft`), and whether it was."""
+        return check_draft(self.penalize(logits), draft, self.params, self.generator)
+
     def observe(self, token: int) -> None:
         """Record an emitted token (the penalties' memory)."""
         if self.params.penalized and self._counts is not None:
@@ -114,10 +118,8 @@ class TokenPicker:
             self._seen[token] = True
 
 
-def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Greedy argmax, or a draw from the tempered, top-k / top-p / min-p filtered distribution."""
-    if params.greedy:
-        return int(torch.argmax(logits))
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled token is drawn from: tempered, then top-k / top-p / min-p filtered."""
     logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -131,4 +133,42 @@ def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     if params.min_p > 0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    return probs / probs.sum()
+
+
+def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Greedy argmax, or a draw from the tempered, top-k / top-p / min-p filtered distribution."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(filtered_probs(logits, params), 1, generator=generator))
+
+
+def check_draft(logits: torch.Tensor, draft: int, params: SamplingParams, generator: torch.Generator | None,
+                draft_probs: torch.Tensor | None = None) -> tuple[int, bool]:
+    """The token to emit at a position where a drafter proposed ``draft``, and whether it is the draft.
+
+    This is the exact speculative sampling rule. With p the model's distribution there and q the
+    drafter's, keep the draft with probability min(1, p(draft) / q(draft)); otherwise draw from the
+    residual max(0, p - q), normalised. Either way the emitted token is distributed exactly as p.
+
+    Cadence's drafters propose deterministically: q is all on the draft (``draft_probs`` None),
+    where the rule reads "keep the draft with probability p(draft), else draw from p without it".
+    That is the same as drawing the token from p exactly as without drafting and keeping the draft
+    when they match, which is how it is done: one draw per emitted token from the sequence's own
+    generator, so a seeded answer is the same with drafting on or off. Greedy is the argmax case.
+    """
+    if draft_probs is None:
+        token = pick_token(logits, params, generator)
+        return token, token == draft
+    if params.greedy:
+        token = int(torch.argmax(logits))
+        return token, token == draft
+    p = filtered_probs(logits, params)
+    q = draft_probs.to(p.dtype)
+    keep = min(1.0, float(p[draft]) / max(float(q[draft]), 1e-30))
+    if float(torch.rand((), generator=generator)) < keep:
+        return draft, True
+    residual = (p - q).clamp_min(0)
+    if float(residual.sum()) <= 0:  # p and q agree everywhere: no residual mass, p itself is the answer
+        residual = p
+    return int(torch.multinomial(residual / residual.sum(), 1, generator=generator)), False

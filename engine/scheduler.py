@@ -18,6 +18,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from engine.drafting import MAX_DEPTH, PRIOR_ACCEPTANCE, DepthPlanner, DraftCounts, Drafter, timed, update_acceptance
+from engine.errors import record_fault
 from engine.sampling import SamplingParams, TokenPicker
 from engine.seam import BatchedDecoder, StepBatch
 
@@ -55,6 +57,11 @@ class Sequence:
     t_join: float | None = None
     stamps: list[float] = field(default_factory=list)
     picker: TokenPicker | None = None
+    # drafting
+    draft_state: dict = field(default_factory=dict)  # the drafter's own memory of this sequence
+    last_hidden: torch.Tensor | None = None  # final-norm hidden state of the row that chose tokens[-1]
+    accept_ema: list[float] = field(default_factory=lambda: [PRIOR_ACCEPTANCE] * MAX_DEPTH)
+    draft_counts: DraftCounts = field(default_factory=DraftCounts)
 
     def __post_init__(self):
         self.picker = TokenPicker(self.params, self.prompt)
@@ -79,6 +86,7 @@ class Sequence:
             "decode_tok_s": round((len(self.stamps) - 1) / decode_s, 2) if decode_s > 0 else None,
             "end_to_end": round(end - self.t_submit, 4),
             "tokens": len(self.tokens),
+            "drafting": self.draft_counts.to_json(),
         }
 
 
@@ -98,13 +106,18 @@ class StepRecord:
     waiting: int  # sequences queued for a slot
     tokens: dict[int, int]  # slot -> tokens emitted
     context: dict[int, int]  # slot -> positions in its cache
+    draft_ms: float = 0.0  # the drafter's proposals for this step
+    drafted: dict[int, int] = field(default_factory=dict)  # slot -> draft tokens checked
+    accepted: dict[int, int] = field(default_factory=dict)  # slot -> of which accepted
 
     def to_json(self) -> dict:
         return {"lane": self.lane, "step": self.step, "width": self.width, "slots": self.slots, "rows": self.rows,
                 "prefill_rows": self.prefill_rows, "step_ms": round(self.step_ms, 3),
                 "prepare_ms": round(self.prepare_ms, 3), "preparing": self.preparing, "waiting": self.waiting,
                 "tokens": {str(k): v for k, v in self.tokens.items()},
-                "context": {str(k): v for k, v in self.context.items()}}
+                "context": {str(k): v for k, v in self.context.items()}, "draft_ms": round(self.draft_ms, 3),
+                "drafted": {str(k): v for k, v in self.drafted.items()},
+                "accepted": {str(k): v for k, v in self.accepted.items()}}
 
 
 @dataclass
@@ -120,6 +133,7 @@ class LaneCounters:
     prepare_ms_total: float = 0.0
     prepare_ms_max: float = 0.0
     last_step_ms: float = 0.0
+    draft_ms_total: float = 0.0
 
     def add(self, record: StepRecord) -> None:
         self.steps += 1
@@ -131,6 +145,7 @@ class LaneCounters:
         self.prepare_ms_total += record.prepare_ms
         self.prepare_ms_max = max(self.prepare_ms_max, record.prepare_ms)
         self.last_step_ms = record.step_ms
+        self.draft_ms_total += record.draft_ms
 
     def to_json(self) -> dict:
         n = max(self.steps, 1)
@@ -138,11 +153,12 @@ class LaneCounters:
                 "mean_busy_slots": round(self.busy_slot_steps / n, 3),
                 "mean_step_ms": round(self.step_ms_total / n, 3), "max_step_ms": round(self.step_ms_max, 3),
                 "last_step_ms": round(self.last_step_ms, 3), "prepare_ms_total": round(self.prepare_ms_total, 3),
-                "max_prepare_ms": round(self.prepare_ms_max, 3)}
+                "max_prepare_ms": round(self.prepare_ms_max, 3), "draft_ms_total": round(self.draft_ms_total, 3)}
 
 
 class Lane:
-    def __init__(self, decoder: BatchedDecoder, name: str = "", on_step: Callable[[StepRecord], None] | None = None):
+    def __init__(self, decoder: BatchedDecoder, name: str = "", on_step: Callable[[StepRecord], None] | None = None,
+                 drafter: Drafter | None = None, planner: DepthPlanner | None = None, drafting_state: str = "off"):
         self.decoder = decoder
         self.name = name
         self.width = decoder.width
@@ -150,10 +166,20 @@ class Lane:
         self.waiting: deque[Sequence] = deque()
         self.counters = LaneCounters()
         self.on_step = on_step
+        self.drafter = drafter
+        self.planner = planner
+        self.drafting_state = drafting_state if drafter is not None or drafting_state != "on" else "off"
+        self.draft_counts = DraftCounts()
 
     @property
     def steps(self) -> int:
         return self.counters.steps
+
+    def drafting_off(self, reason: str) -> None:
+        """Stop drafting on this lane (it keeps serving, one token per step); status says why."""
+        self.drafter = None
+        self.planner = None
+        self.drafting_state = f"off: {reason}"
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -184,6 +210,7 @@ class Lane:
                 continue
             seq.slot = self.slots.index(None)
             seq.t_join = time.perf_counter()
+            seq.accept_ema = self._acceptance_prior()
             self.slots[seq.slot] = seq
             if seq.prepare:
                 seq.preparing = seq.prepare(seq, seq.slot)
@@ -205,21 +232,70 @@ class Lane:
                 if someone_decoding:
                     return
             someone_decoding = True  # this one is ready now and will decode in this step
+    # ------------------------------------------------------------------ drafting
+    def _acceptance_prior(self) -> list[float]:
+        """What a joining sequence expects at each draft position: the lane's record so far."""
+        c = self.draft_counts
+        return [c.accepted_at[i] / c.drafted_at[i] if c.drafted_at[i] >= 20 else PRIOR_ACCEPTANCE
+                for i in range(MAX_DEPTH)]
+
+    def _draft(self, active: list[Sequence]) -> tuple[dict[int, list[int]], float, int]:
+        """Drafts for this step's decoding slots (slot -> tokens), the drafter's ms, its sequential passes."""
+        if self.drafter is None:
+            return {}, 0.0, 0
+        base_rows = sum(len(s.next_rows()) for s in active)
+        candidates, room = [], []
+        for s in active:
+            left = min(MAX_DEPTH, s.max_new_tokens - len(s.tokens) - 1)
+            if not s.prefilling and s.tokens and left > 0 and (s.last_hidden is not None or not self.drafter.needs_hidden):
+                candidates.append(s)
+                room.append(left)
+        if not candidates:
+            return {}, 0.0, 0
+        depths = self.planner.plan(candidates, base_rows, room)
+        chosen = [(s, d) for s, d in zip(candidates, depths) if d > 0]
+        if not chosen:
+            return {}, 0.0, 0
+        try:
+            proposals, ms = timed(self.drafter.propose, [s for s, _ in chosen], [d for _, d in chosen])
+        except Exception as exc:  # a drafter never fails a request: drafting stops, decoding goes on
+            self.drafting_off(f"the {self.drafter.name} drafter failed ({exc.__class__.__name__}: {exc}); "
+                              f"details are in {record_fault(exc)}")
+            return {}, 0.0, 0
+        drafts = {s.slot: [int(t) for t in p[:d]] for (s, d), p in zip(chosen, proposals) if len(p)}
+        return drafts, ms, self.drafter.cost_levels(max(d for _, d in chosen))
+
     # ------------------------------------------------------------------ step
-    def _choose(self, seq: Sequence, logits: torch.Tensor) -> int:
+    def _mask(self, seq: Sequence, logits: torch.Tensor, first: bool) -> torch.Tensor:
         if seq.suppress is not None:
             logits[seq.suppress] = -float("inf")
-        if not seq.tokens and seq.begin_suppress is not None:
+        if first and seq.begin_suppress is not None:
             logits[seq.begin_suppress] = -float("inf")
-        token = seq.picker.pick(logits)
-        if seq.track_logprob:
-            seq.logprob_sum += float(torch.log_softmax(logits, -1)[token])
-        seq.picker.observe(token)
-        return token
+        return logits
+
+    def _verify(self, seq: Sequence, rows: torch.Tensor, draft: list[int]) -> tuple[list[int], int]:
+        """Tokens this step gives ``seq`` from its logit rows (the row after its last token, then one
+        per draft token), and how many drafts were accepted: each position is decided exactly as
+        without drafting, given the tokens before it; the first disagreement ends the step."""
+        emitted, accepted = [], 0
+        for i, row in enumerate(rows):
+            row = self._mask(seq, row, first=not seq.tokens and not emitted)
+            if i < len(draft):
+                token, kept = seq.picker.check(row, draft[i])
+            else:
+                token, kept = seq.picker.pick(row), False
+            if seq.track_logprob:
+                seq.logprob_sum += float(torch.log_softmax(row, -1)[token])
+            seq.picker.observe(token)
+            emitted.append(token)
+            if not kept:
+                break
+            accepted += 1
+        return emitted, accepted
 
     @torch.inference_mode()
     def step(self) -> StepRecord | None:
-        """Admit waiting sequences, advance their preparation, run one forward pass over every
+        """Admit waiting sequences, advance their preparation, draft, run one forward pass over every
         ready slot, emit tokens."""
         for seq in list(s for s in self.slots if s is not None and s.cancelled):
             self._finish(seq, "cancelled")
@@ -230,47 +306,85 @@ class Lane:
         active = [s for s in self.slots if s is not None and s.preparing is None]
         if not active:
             return None
-        rows = [s.next_rows() for s in active]
+        drafts, draft_ms, levels = self._draft(active)
+        try:
+            return self._run(active, drafts, prepare_ms, draft_ms, levels)
+        except torch.OutOfMemoryError:
+            if not drafts:
+                raise
+            self.drafting_off("the device ran out of memory while verifying drafts")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return self._run(active, {}, prepare_ms, 0.0, 0)
+
+    def _run(self, active: list[Sequence], drafts: dict[int, list[int]], prepare_ms: float, draft_ms: float,
+             levels: int) -> StepRecord:
+        rows = [s.next_rows() + drafts.get(s.slot, []) for s in active]
         prefill_rows = sum(len(r) for s, r in zip(active, rows) if s.prefilling)
         batch = StepBatch.build([s.slot for s in active], rows, [s.fed for s in active], device=self.decoder.device)
-        # Logits are computed only for each sequence's last row (plus a probe row where asked).
+        # Logits for each sequence's last row, every row of a draft being checked, and a probe row where asked.
         wanted, owners, offset = [], [], 0
         for seq, r in zip(active, rows):
             if seq.probe_row is not None and seq.fed <= seq.probe_row < seq.fed + len(r):
                 wanted.append(offset + seq.probe_row - seq.fed)
-                owners.append((seq, None))
+                owners.append((seq, None, 1))
+            checked = len(drafts.get(seq.slot, ()))
+            wanted.extend(range(offset + len(r) - 1 - checked, offset + len(r)))
+            owners.append((seq, len(r), checked + 1))
             offset += len(r)
-            wanted.append(offset - 1)
-            owners.append((seq, len(r)))
+        with_hidden = self.drafter is not None and self.drafter.needs_hidden
         t0 = time.perf_counter()
-        # Token choice runs on the CPU, per sequence, with its own generator (one copy per step).
-        logits = self.decoder.forward(batch, torch.tensor(wanted, device=batch.tokens.device)).cpu()
+        out = self.decoder.forward(batch, torch.tensor(wanted, device=batch.tokens.device), with_hidden=with_hidden)
+        logits, hidden = out if with_hidden else (out, None)
+        logits = logits.cpu()  # token choice runs on the CPU, per sequence, with its own generator
         now = time.perf_counter()
         emitted: dict[int, int] = {}
-        for (seq, fed_rows), row in zip(owners, logits):
+        drafted: dict[int, int] = {}
+        accepted_by_slot: dict[int, int] = {}
+        at = 0
+        for seq, fed_rows, n in owners:
+            first, at = at, at + n
             if fed_rows is None:
-                seq.probe_logits = row.clone()
+                seq.probe_logits = logits[first].clone()
                 continue
-            seq.fed += fed_rows
             if seq.prefilling:
-                continue
-            token = self._choose(seq, row)
-            if token in seq.stop_ids:
-                self._finish(seq, "stop")
-                continue
-            seq.tokens.append(token)
-            seq.stamps.append(now)
-            emitted[seq.slot] = 1
-            if seq.on_token and seq.on_token(seq, token):
-                self._finish(seq, "stop")
-            elif len(seq.tokens) >= seq.max_new_tokens:
-                self._finish(seq, "length")
+                seq.fed += fed_rows
+                if seq.prefilling:
+                    continue
+                tokens, accepted = self._verify(seq, logits[first:at], [])
+            else:
+                draft = drafts.get(seq.slot, [])
+                tokens, accepted = self._verify(seq, logits[first:at], draft)
+                seq.fed += 1 + accepted  # the last token and the accepted drafts are in the cache now
+                if draft:
+                    drafted[seq.slot], accepted_by_slot[seq.slot] = len(draft), accepted
+                    seq.draft_counts.add(len(draft), accepted)
+                    self.draft_counts.add(len(draft), accepted)
+                    update_acceptance(seq.accept_ema, len(draft), accepted)
+            if hidden is not None:
+                seq.last_hidden = hidden[first + len(tokens) - 1]
+            for token in tokens:
+                if token in seq.stop_ids:
+                    self._finish(seq, "stop")
+                    break
+                seq.tokens.append(token)
+                seq.stamps.append(now)
+                emitted[seq.slot] = emitted.get(seq.slot, 0) + 1
+                if seq.on_token and seq.on_token(seq, token):
+                    self._finish(seq, "stop")
+                    break
+                if len(seq.tokens) >= seq.max_new_tokens:
+                    self._finish(seq, "length")
+                    break
+        step_ms = (time.perf_counter() - t0) * 1000
+        if self.planner is not None:
+            self.planner.cost.observe(offset, step_ms, draft_ms if levels else None, levels)
         record = StepRecord(
             lane=self.name, step=self.counters.steps, width=self.width, slots=len(active), rows=offset,
-            prefill_rows=prefill_rows,
-            step_ms=(time.perf_counter() - t0) * 1000, prepare_ms=prepare_ms,
+            prefill_rows=prefill_rows, step_ms=step_ms, prepare_ms=prepare_ms,
             preparing=sum(1 for s in self.slots if s is not None and s.preparing is not None),
-            waiting=len(self.waiting), tokens=emitted, context={s.slot: s.fed for s in active})
+            waiting=len(self.waiting), tokens=emitted, context={s.slot: s.fed for s in active},
+            draft_ms=draft_ms, drafted=drafted, accepted=accepted_by_slot)
         self.counters.add(record)
         if self.on_step:
             self.on_step(record)

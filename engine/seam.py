@@ -144,8 +144,14 @@ class BatchedDecoder(ABC):
         """Build the caches (and any other per-slot memory) for ``width`` slots."""
 
     @abstractmethod
-    def forward(self, batch: StepBatch, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Run one step; return logits [len(logit_rows), vocab] (all real rows when None)."""
+    def forward(self, batch: StepBatch, logit_rows: torch.Tensor | None = None, with_hidden: bool = False):
+        """Run one step; return logits [len(logit_rows), vocab] (all real rows when None). With
+        ``with_hidden``, return (logits, hidden): the final-norm hidden states of those rows, the
+        vectors the output layer saw (what MTP draft heads start from)."""
+
+    @abstractmethod
+    def output_embeddings(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token embedding [V, d] and output matrix [V, d] (draft heads reuse both, frozen)."""
 
     @property
     @abstractmethod

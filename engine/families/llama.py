@@ -60,6 +60,7 @@ class LlamaBatched(BatchedDecoder):
             ))
         self.norm = hf.model.norm.weight.detach()
         self.lm_head = Linear.of(hf.lm_head)
+        self._output_weight = hf.lm_head.weight.detach()
         with torch.inference_mode():  # rotary tables for every position, as the model computes them
             positions = torch.arange(self.max_len, device=self.embed.device)[None]
             cos, sin = hf.model.rotary_emb(self.embed[:1][None], positions)
@@ -81,11 +82,14 @@ class LlamaBatched(BatchedDecoder):
     def slot_bytes(self) -> int:
         return 2 * len(self.layers) * self.kv_heads * self.max_len * self.head_dim * self.embed.element_size()
 
+    def output_embeddings(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.embed, self._output_weight
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (self.hidden,), weight, self.eps)
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, batch: StepBatch, logit_rows: torch.Tensor | None = None, with_hidden: bool = False):
         x = F.embedding(batch.flat(batch.tokens), self.embed)  # [R, d]
         R = x.shape[0]
         cos = self.cos[batch.row_positions][:, None, :]  # [R, 1, D]
@@ -101,4 +105,6 @@ class LlamaBatched(BatchedDecoder):
             x = x + layer.down(F.silu(gate) * up)
         if logit_rows is not None:
             x = x[logit_rows]
-        return self.lm_head(self._norm(x, self.norm)).float()
+        hidden = self._norm(x, self.norm)
+        logits = self.lm_head(hidden).float()
+        return (logits, hidden) if with_hidden else logits

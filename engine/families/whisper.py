@@ -98,6 +98,7 @@ class WhisperBatched(BatchedDecoder):
             ))
         self.final_norm = _norm_of(decoder.layer_norm)
         self.proj_out = Linear(hf.proj_out.weight)
+        self._output_weight = hf.proj_out.weight.detach()
         self.memory_len = cfg.max_source_positions
         self.allocate(width)
 
@@ -160,7 +161,10 @@ class WhisperBatched(BatchedDecoder):
             self.cross_v[i, slot] = v.transpose(0, 1)
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def output_embeddings(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.embed, self._output_weight
+
+    def forward(self, batch: StepBatch, logit_rows: torch.Tensor | None = None, with_hidden: bool = False):
         x = F.embedding(batch.flat(batch.tokens), self.embed) + self.positions[batch.row_positions]
         R = x.shape[0]
         for i, layer in enumerate(self.layers):
@@ -171,4 +175,6 @@ class WhisperBatched(BatchedDecoder):
             x = x + layer.fc2(F.gelu(layer.fc1(self._norm(x, layer.ffn_norm))))
         if logit_rows is not None:
             x = x[logit_rows]
-        return self.proj_out(self._norm(x, self.final_norm)).float()
+        hidden = self._norm(x, self.final_norm)
+        logits = self.proj_out(hidden).float()
+        return (logits, hidden) if with_hidden else logits

@@ -1,0 +1,324 @@
+"""Drafting: cheap guesses of each slot's next tokens, checked by the model in the lane's one step.
+
+Each step the lane asks its drafter for up to ``depth`` tokens for every decoding slot at once,
+feeds each slot its last token followed by its draft, and keeps the longest prefix the model
+agrees with plus the model's own next token: k accepted drafts give k + 1 tokens from one forward
+pass. Slots verify different numbers of rows in the same pass; none waits for another.
+
+How deep each slot drafts is decided per step by :class:`DepthPlanner`: from the slot's own
+acceptance per draft position (a moving average) and the measured cost of a step by row count,
+it adds draft rows while the expected tokens per millisecond of the whole step still rises.
+
+Drafters here:
+- :class:`NgramDrafter` copies what followed the latest earlier occurrence of the context's last
+  few tokens (prompt lookup): free, strong when an answer quotes its prompt or repeats itself.
+- :class:`MTPDrafter` chains a small trained head on the model's own last hidden state
+  (engine/mtp.py; heads in resources/mtp/).
+- :class:`DraftModelDrafter` runs a smaller chat model with the same tokenizer in its own slots.
+Every drafter proposes deterministically, which the sampling rule (engine.sampling.check_draft)
+relies on to keep sampled output distributed exactly as without drafting.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import CadenceError, RequestError
+
+DRAFTER_ENV = "CADENCE_DRAFTER"
+DRAFTER_CHOICES = ("auto", "mtp", "ngram", "draft:MODEL", "off")
+MAX_DEPTH = 8  # draft tokens per slot and step, at most
+PRIOR_ACCEPTANCE = 0.5  # a new slot's guess of its acceptance at each draft position
+EMA = 0.25  # weight of the newest observation in the acceptance and cost averages
+
+
+def parse_drafter(value) -> str:
+    """'auto', 'mtp', 'ngram', 'off' or 'draft:MODEL'; one clear sentence for anything else."""
+    text = str(value or "auto").strip()
+    low = text.lower()
+    if low in ("auto", "mtp", "ngram", "off"):
+        return low
+    if low.startswith("draft:") and text[6:].strip():
+        return "draft:" + text[6:].strip()
+    raise RequestError(f"Unknown drafter {value!r}: use one of {', '.join(DRAFTER_CHOICES)}.")
+
+
+# ------------------------------------------------------------------------------------------ counts
+@dataclass
+class DraftCounts:
+    """Drafted and accepted tokens, overall and by draft position, for one sequence or one lane."""
+
+    drafted: int = 0
+    accepted: int = 0
+    verifications: int = 0  # steps in which at least one draft token was checked
+    drafted_at: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
+    accepted_at: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
+    last_depth: int = 0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.last_depth = drafted
+        if not drafted:
+            return
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verifications += 1
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < accepted
+
+    def merge(self, other: "DraftCounts") -> None:
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.verifications += other.verifications
+        for i in range(MAX_DEPTH):
+            self.drafted_at[i] += other.drafted_at[i]
+            self.accepted_at[i] += other.accepted_at[i]
+
+    def to_json(self) -> dict:
+        positions = [round(a / d, 3) for a, d in zip(self.accepted_at, self.drafted_at) if d]
+        return {"drafted": self.drafted, "accepted": self.accepted,
+                "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None,
+                # tokens per verifying step: its own token plus the accepted drafts
+                "mean_acceptance_length": round(1 + self.accepted / self.verifications, 3) if self.verifications else None,
+                "acceptance_by_position": positions, "depth": self.last_depth}
+
+
+# ------------------------------------------------------------------------------------------ drafters
+class Drafter(ABC):
+    """Proposes draft tokens for many sequences at once."""
+
+    name: str
+    needs_hidden = False  # wants each sequence's last final-norm hidden state (seq.last_hidden)
+
+    @abstractmethod
+    def propose(self, seqs: list, depths: list[int]) -> list[list[int]]:
+        """Up to ``depths[i]`` tokens to follow ``seqs[i]``'s context (prompt + tokens), for all at once."""
+
+    def cost_levels(self, depth: int) -> int:
+        """Sequential draft passes a depth needs (what the drafter's time grows with)."""
+        return depth
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n from
+    ``max_n`` down to ``min_n``) and propose what followed it."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 4, min_n: int = 2):
+        self.max_n, self.min_n = max_n, min_n
+
+    def _index(self, seq) -> dict:
+        """Per sequence: n-gram -> the position after its latest occurrence, kept up to date incrementally."""
+        state = seq.draft_state.setdefault("ngram", {"index": {}, "upto": 0})
+        context = seq.prompt + seq.tokens
+        index, start = state["index"], state["upto"]
+        # Entries for n-grams ending before the last token: lookups then always find an *earlier* occurrence.
+        for end in range(max(start, 1), len(context)):
+            for n in range(self.min_n, self.max_n + 1):
+                if end >= n:
+                    index[tuple(context[end - n:end])] = end
+        state["upto"] = max(start, len(context))
+        return index
+
+    def propose(self, seqs, depths):
+        drafts = []
+        for seq, depth in zip(seqs, depths):
+            context = seq.prompt + seq.tokens
+            index = self._index(seq)
+            draft: list[int] = []
+            for n in range(self.max_n, self.min_n - 1, -1):
+                if len(context) > n and (end := index.get(tuple(context[-n:]))) is not None:
+                    draft = context[end:end + depth]
+                    break
+            drafts.append(draft)
+        return drafts
+
+    def cost_levels(self, depth: int) -> int:
+        return 0
+
+
+class MTPDrafter(Drafter):
+    """A trained multi-token-prediction head run as a chain from each slot's last hidden state."""
+
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, head, min_p: float = 0.0):
+        self.head, self.min_p = head, min_p
+
+    def propose(self, seqs, depths):
+        hidden = torch.stack([s.last_hidden for s in seqs])
+        last = torch.tensor([s.tokens[-1] for s in seqs], device=hidden.device)
+        tokens, probs = self.head.draft(hidden, last, max(depths))
+        tokens, probs = tokens.tolist(), probs.tolist()
+        drafts = []
+        for row, p, depth in zip(tokens, probs, depths):
+            keep = depth
+            if self.min_p > 0:  # stop at the first draft the head is unsure of
+                keep = next((i for i in range(depth) if p[i] < self.min_p), depth)
+            drafts.append(row[:keep])
+        return drafts
+
+
+class DraftModelDrafter(Drafter):
+    """A smaller model with the same tokenizer, decoding greedily in slots of its own."""
+
+    def __init__(self, name: str, decoder):
+        self.name = f"draft:{name}"
+        self.decoder = decoder
+
+    def propose(self, seqs, depths):
+        from engine.seam import StepBatch
+
+        context = [s.prompt + s.tokens for s in seqs]
+        # Each sequence's cache in the draft model holds its context up to `fed`; drafts past the
+        # context are overwritten next time, so rejected ones cost nothing to undo.
+        fed = [s.draft_state.get("draft_fed", 0) if s.draft_state.get("draft_slot") == s.slot else 0 for s in seqs]
+        rows = [c[f:] for c, f in zip(context, fed)]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        live = list(range(len(seqs)))
+        for level in range(max(depths)):
+            batch = StepBatch.build([seqs[i].slot for i in live], [rows[i] for i in live], [fed[i] for i in live],
+                                    device=self.decoder.device)
+            logits = self.decoder.forward(batch, batch.last_rows())
+            picks = logits.argmax(-1).tolist()
+            nxt = []
+            for i, token in zip(live, picks):
+                fed[i] += len(rows[i])
+                drafts[i].append(token)
+                rows[i] = [token]
+                if len(drafts[i]) < depths[i]:
+                    nxt.append(i)
+            live = nxt
+            if not live:
+                break
+        for s, c in zip(seqs, context):
+            s.draft_state["draft_fed"] = len(c)  # the context is cached; the drafts after it are not trusted
+            s.draft_state["draft_slot"] = s.slot
+        return drafts
+
+
+def same_tokenizer(a, b) -> bool:
+    """Two tokenizers map every text to the same ids (same vocabulary and special tokens)."""
+    try:
+        return a.get_vocab() == b.get_vocab() and a.all_special_ids == b.all_special_ids
+    except AttributeError:
+        return False
+
+
+def build_drafter(choice: str, model: str, loaded, decoder, device, width: int, min_p: float = 0.0):
+    """The drafter a lane uses, or (None, why not). Never raises for a missing head; a draft model
+    that cannot serve this model (another tokenizer or family) is refused with one sentence."""
+    if choice == "off":
+        return None, "off"
+    if choice in ("auto", "mtp"):
+        try:
+            from engine.mtp import load_head
+        except ImportError:
+            load_head = None
+        head = load_head(model) if load_head is not None else None
+        if head is not None:
+            embed, lm_head = decoder.output_embeddings()
+            return MTPDrafter(head.bind(embed, lm_head), min_p=min_p), "on"
+        if choice == "mtp":
+            return None, f"off: no MTP head for {model} (train one with `cadence train-mtp --model {model}`)"
+        return NgramDrafter(), "on"
+    if choice == "ngram":
+        return NgramDrafter(), "on"
+    name = choice.split(":", 1)[1]
+    from engine.families.llama import LlamaBatched
+    from engine.loading import load
+
+    if decoder.family != "chat":
+        raise CadenceError(f"A draft model can only serve chat models; {model} is a {decoder.family} model "
+                           f"(use --drafter mtp or ngram).")
+    try:
+        draft = load(name, family="chat", device=device)
+    except CadenceError as exc:
+        raise CadenceError(f"The draft model {name} cannot draft for {model}: {exc}") from None
+    if not same_tokenizer(draft.tokenizer, loaded.tokenizer):
+        raise CadenceError(f"The draft model {name} uses a different tokenizer from {model}; "
+                           f"pick a smaller model of the same family.")
+    draft_decoder = LlamaBatched(draft)
+    draft_decoder.allocate(width, decoder.max_len)
+    return DraftModelDrafter(name, draft_decoder), "on"
+
+
+# ------------------------------------------------------------------------------------------ depth
+class StepCost:
+    """Milliseconds of one step by rows in it: the calibration curve (widths of one row each),
+    interpolated, extended linearly past its end, and scaled by how the real steps compare."""
+
+    def __init__(self, rows: list[int], step_ms: list[float]):
+        self.rows, self.ms = list(rows), list(step_ms)
+        self.scale = 1.0
+        self.draft_ms = 0.0  # one sequential draft pass (the drafter's own cost per level)
+
+    def predict(self, rows: int) -> float:
+        r, ms = self.rows, self.ms
+        if len(r) == 1 or rows <= r[0]:
+            base = ms[0] * (rows / r[0] if len(r) == 1 else 1.0)
+        else:
+            i = next((i for i in range(1, len(r)) if rows <= r[i]), len(r) - 1)
+            slope = (ms[i] - ms[i - 1]) / (r[i] - r[i - 1])
+            base = ms[i - 1] + slope * (rows - r[i - 1])
+        return base * self.scale
+
+    def observe(self, rows: int, step_ms: float, draft_ms: float | None = None, levels: int = 0) -> None:
+        predicted = self.predict(rows) / self.scale
+        if predicted > 0:
+            self.scale += EMA * (step_ms / predicted - self.scale)
+        if draft_ms is not None and levels:
+            self.draft_ms += EMA * (draft_ms / levels - self.draft_ms)
+
+
+class DepthPlanner:
+    """Draft depths per slot for one step, maximizing the step's expected tokens per millisecond."""
+
+    def __init__(self, cost: StepCost, drafter: Drafter, fixed_depth: int | None = None):
+        self.cost, self.drafter, self.fixed_depth = cost, drafter, fixed_depth
+
+    def plan(self, seqs: list, base_rows: int, room: list[int]) -> list[int]:
+        """``room[i]``: the most drafts seqs[i] may take (tokens left, cache left)."""
+        if self.fixed_depth is not None:
+            return [min(self.fixed_depth, r) for r in room]
+        depths = [0] * len(seqs)
+        reach = [1.0] * len(seqs)  # chance that the next draft position is reached and accepted
+        tokens = float(len(seqs))
+        rows = base_rows
+
+        def step_ms(rows: int, depths: list[int]) -> float:
+            deepest = max(depths, default=0)
+            return self.cost.predict(rows) + self.cost.draft_ms * self.drafter.cost_levels(deepest)
+
+        best = tokens / step_ms(rows, depths)
+        while True:
+            gains = [(reach[i] * s.accept_ema[depths[i]], i) for i, s in enumerate(seqs) if depths[i] < room[i]]
+            if not gains:
+                break
+            gain, i = max(gains)
+            trial = depths.copy()
+            trial[i] += 1
+            rate = (tokens + gain) / step_ms(rows + 1, trial)
+            if rate <= best:
+                break
+            depths, best, tokens, rows = trial, rate, tokens + gain, rows + 1
+            reach[i] = gain
+        return depths
+
+
+def update_acceptance(ema: list[float], drafted: int, accepted: int) -> None:
+    """Move a slot's acceptance-by-position averages toward what this step showed."""
+    for i in range(min(drafted, accepted + 1)):
+        ema[i] += EMA * ((1.0 if i < accepted else 0.0) - ema[i])
+
+
+def timed(fn, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, (time.perf_counter() - t0) * 1000

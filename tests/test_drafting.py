@@ -1,0 +1,327 @@
+"""Drafting: greedy output equal to no drafting, sampled output distributed as without it.
+
+Every drafter (n-gram lookup, a draft model, the shipped MTP heads) is checked token for token
+against the single-stream reference, alone and at full width, for chat and Whisper; the exact
+sampling rule is checked statistically on real model logits (and a broken rule must fail that
+check); a drafter that is always wrong or that fails only costs speed.
+"""
+
+import json
+
+import pytest
+import torch
+from parity import assert_same_or_near_tie
+
+from engine.chat_reference import build_messages
+from engine.drafting import (
+    DepthPlanner,
+    Drafter,
+    NgramDrafter,
+    StepCost,
+    parse_drafter,
+)
+from engine.engine import ChatRequest, Engine, TranscribeRequest
+from engine.errors import CadenceError
+from engine.families.llama import LlamaBatched
+from engine.sampling import SamplingParams, check_draft, filtered_probs
+from engine.scheduler import Lane, Sequence
+from engine.transcribe import transcribe_file
+from engine.whisper_reference import WhisperReference
+
+# Prompts whose answers quote or repeat their prompt (lookup drafts well) and ones that don't.
+PROMPTS = [
+    "Repeat this sentence exactly: The quarterly report shows that revenue grew by twelve percent.",
+    "Copy this list as it is: apples, pears, plums, cherries, grapes, lemons, limes.",
+    "List the numbers from one to twelve, one per line.",
+    "Write a short list of five fruits, each with one sentence about it.",
+    "What is the capital of France?",
+    "Explain in two sentences why the sea is salty.",
+]
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def reference_answers(chat_ref):
+    out = {}
+    for p in PROMPTS:
+        ids = chat_ref.prompt_ids(build_messages(p))
+        out[p] = (ids, chat_ref.generate(ids, SamplingParams(max_tokens=MAX_TOKENS)).tokens)
+    return out
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft:smollm2-135m-instruct", "mtp"])
+def drafting_engine(request):
+    if request.param == "mtp":
+        from engine.mtp import head_path
+
+        assert head_path("smollm2-135m-instruct").exists(), "the shipped MTP head for smollm2 is missing"
+    eng = Engine(backend="cpu", batch=4, drafter=request.param)
+    yield eng
+    eng.shutdown()
+
+
+def _ask(engine, prompt, params=None):
+    return engine.submit(ChatRequest(prompt, params=params or SamplingParams(max_tokens=MAX_TOKENS)))
+
+
+def test_greedy_chat_with_drafting_equals_the_reference_alone_and_at_full_width(drafting_engine, chat_ref,
+                                                                                 reference_answers):
+    alone = _ask(drafting_engine, PROMPTS[0]).result(300)
+    ids, want = reference_answers[PROMPTS[0]]
+    assert_same_or_near_tie(chat_ref, ids, alone["tokens"], want)
+    handles = [_ask(drafting_engine, p) for p in PROMPTS]  # 6 requests on 4 slots: joins mid-flight
+    drafted = 0
+    for p, h in zip(PROMPTS, handles):
+        got = h.result(300)
+        ids, want = reference_answers[p]
+        assert_same_or_near_tie(chat_ref, ids, got["tokens"], want)
+        drafted += got["stats"]["drafting"]["drafted"]
+    lane = drafting_engine.status()["lanes"]["smollm2-135m-instruct"]
+    assert lane["drafting"]["state"] == "on"
+    assert drafted > 0 and lane["drafting"]["accepted"] > 0  # drafting really happened, and paid
+
+
+def test_a_draft_model_identical_to_the_model_is_almost_always_accepted(chat_ref, reference_answers):
+    eng = Engine(backend="cpu", batch="off", drafter="draft:smollm2-135m-instruct", draft_depth=4)
+    try:
+        got = _ask(eng, PROMPTS[3]).result(300)
+    finally:
+        eng.shutdown()
+    ids, want = reference_answers[PROMPTS[3]]
+    assert_same_or_near_tie(chat_ref, ids, got["tokens"], want)
+    stats = got["stats"]["drafting"]
+    assert stats["acceptance"] >= 0.95, stats  # the same model agrees with itself (near-ties aside)
+    assert stats["mean_acceptance_length"] >= 4.0, stats  # depth 4: almost 5 tokens per step
+
+
+def test_greedy_whisper_with_drafting_equals_the_reference(tiny, speech):
+    ref = WhisperReference(tiny)
+    names = ["long", "fox", "report"]
+    for drafter, batch in (("ngram", 4), ("mtp", "off"), ("mtp", 4)):
+        eng = Engine(backend="cpu", batch=batch, drafter=drafter)
+        try:
+            handles = [eng.submit(TranscribeRequest(speech[n], model="whisper-tiny.en")) for n in names]
+            for name, handle in zip(names, handles):
+                got = handle.result(600)
+                want = transcribe_file(ref, speech[name])
+                assert [s.tokens for s in got.segments] == [s.tokens for s in want.segments], (drafter, batch, name)
+            lane = eng.status()["lanes"]["whisper-tiny.en"]["drafting"]
+            assert lane["state"] == "on", lane
+            assert lane["drafted"] > 0, (drafter, lane)
+            if drafter == "mtp":
+                assert lane["acceptance"] > 0.5, lane
+        finally:
+            eng.shutdown()
+
+
+def test_seeded_sampling_gives_the_same_answer_with_and_without_drafting():
+    """One draw per emitted token from the sequence's own generator, drafts or not (see check_draft)."""
+    params = [SamplingParams(temperature=0.7, seed=s, max_tokens=40, top_p=0.95) for s in range(4)]
+    results = {}
+    for drafter in ("off", "draft:smollm2-135m-instruct"):
+        eng = Engine(backend="cpu", batch=4, drafter=drafter, draft_depth=3)
+        try:
+            handles = [eng.submit(ChatRequest(PROMPTS[i % 2], params=p)) for i, p in enumerate(params)]
+            results[drafter] = [h.result(300) for h in handles]
+        finally:
+            eng.shutdown()
+    off, on = results["off"], results["draft:smollm2-135m-instruct"]
+    assert [r["tokens"] for r in on] == [r["tokens"] for r in off]
+    stats = [r["stats"]["drafting"] for r in on]
+    assert sum(s["drafted"] for s in stats) > 0 and sum(s["accepted"] for s in stats) > 0
+    assert sum(s["drafted"] - s["accepted"] for s in stats) > 0  # some drafts were rejected by a sample
+
+
+# ------------------------------------------------------------------------- the sampling rule
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of observed ``counts`` against ``probs`` (bins with expected < 5 pooled)."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def _accept_if_likely(logits, draft, params, generator, draft_probs=None):
+    """A broken rule: keep the draft whenever the model gives it some chance."""
+    p = filtered_probs(logits, params)
+    if p[draft] > 0.01:
+        return draft, True
+    return int(torch.multinomial(p, 1, generator=generator)), False
+
+
+def _no_residual(logits, draft, params, generator, draft_probs):
+    """A broken rule: the right acceptance test, but a rejection draws from p instead of the residual."""
+    p = filtered_probs(logits, params)
+    q = draft_probs
+    if float(torch.rand((), generator=generator)) < min(1.0, float(p[draft] / q[draft])):
+        return draft, True
+    return int(torch.multinomial(p, 1, generator=generator)), False
+
+
+@pytest.fixture(scope="module")
+def real_logits(chat_ref):
+    ids = chat_ref.prompt_ids(build_messages("Name a colour."))
+    with torch.inference_mode():
+        return chat_ref.model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def _sample_rule(rule, logits, params, draft, draft_probs, n=4000):
+    """Emitted-token counts over n trials. A deterministic drafter always proposes ``draft``; a
+    stochastic one (``draft_probs`` given) draws its proposal from that distribution each time."""
+    g, drafter_g = torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)
+    counts = torch.zeros(logits.numel())
+    for _ in range(n):
+        if draft_probs is not None:
+            draft = int(torch.multinomial(draft_probs, 1, generator=drafter_g))
+        token, _kept = rule(logits, draft, params, g, draft_probs)
+        counts[token] += 1
+    return counts
+
+
+def test_speculative_sampling_keeps_the_models_distribution_and_a_broken_rule_fails(real_logits):
+    params = SamplingParams(temperature=0.7, top_k=40)
+    p = filtered_probs(real_logits, params)
+    order = torch.argsort(p, descending=True)
+    likely, unlikely = int(order[0]), int(order[5])
+    # The drafter's distribution: flatter than the model's, so rejections and residuals both matter.
+    q = filtered_probs(real_logits, SamplingParams(temperature=2.0, top_k=40))
+    cases = [(likely, None), (unlikely, None), (None, q)]
+    for draft, draft_probs in cases:
+        counts = _sample_rule(check_draft, real_logits, params, draft, draft_probs)
+        assert _chi_square_p(counts, p) > 1e-3, (draft, draft_probs is not None)
+    # The test has teeth: wrong rules are caught.
+    broken = _sample_rule(_accept_if_likely, real_logits, params, int(order[2]), None)
+    assert _chi_square_p(broken, p) < 1e-6
+    broken = _sample_rule(_no_residual, real_logits, params, None, q)
+    assert _chi_square_p(broken, p) < 1e-6
+
+
+# ------------------------------------------------------------------------- failure and waste
+class _WrongDrafter(Drafter):
+    """Proposes random tokens: almost never right."""
+
+    name = "wrong"
+
+    def __init__(self):
+        self.g = torch.Generator().manual_seed(0)
+
+    def propose(self, seqs, depths):
+        return [torch.randint(1000, 40000, (d,), generator=self.g).tolist() for d in depths]
+
+
+class _BrokenDrafter(Drafter):
+    name = "broken"
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, seqs, depths):
+        self.calls += 1
+        if self.calls > 2:
+            raise RuntimeError("the draft head's file was damaged")
+        return [[] for _ in seqs]
+
+
+def _run_lane(smollm, chat_ref, drafter, prompts, depth=3):
+    decoder = LlamaBatched(smollm, width=4)
+    cost = StepCost([1, 2, 4], [10.0, 10.0, 10.0])
+    lane = Lane(decoder, name="t", drafter=drafter, planner=DepthPlanner(cost, drafter, depth), drafting_state="on")
+    seqs = []
+    for p in prompts:
+        ids = chat_ref.prompt_ids(build_messages(p))
+        seq = Sequence(ids, 32, chat_ref.stop_ids)
+        lane.add(seq)
+        seqs.append((ids, seq))
+    lane.run_until_idle()
+    return lane, seqs
+
+
+def test_an_always_wrong_drafter_costs_speed_never_correctness(smollm, chat_ref):
+    lane, seqs = _run_lane(smollm, chat_ref, _WrongDrafter(), PROMPTS[2:6])
+    for ids, seq in seqs:
+        want = chat_ref.generate(ids, SamplingParams(max_tokens=32)).tokens
+        assert_same_or_near_tie(chat_ref, ids, seq.tokens, want)
+    assert lane.draft_counts.drafted > 50
+    assert lane.draft_counts.accepted <= 2
+
+
+def test_a_failing_drafter_turns_drafting_off_and_the_lane_keeps_serving(smollm, chat_ref):
+    lane, seqs = _run_lane(smollm, chat_ref, _BrokenDrafter(), PROMPTS[4:6])
+    assert lane.drafter is None
+    assert lane.drafting_state.startswith("off: the broken drafter failed (RuntimeError: the draft head's file")
+    for ids, seq in seqs:
+        assert seq.finish_reason in ("stop", "length")
+        want = chat_ref.generate(ids, SamplingParams(max_tokens=32)).tokens
+        assert_same_or_near_tie(chat_ref, ids, seq.tokens, want)
+
+
+# ------------------------------------------------------------------------- depth, lookup, settings
+class _Seq:
+    def __init__(self, acceptance):
+        self.accept_ema = acceptance
+
+
+def test_depth_planner_drafts_deep_when_rows_are_cheap_and_drafts_are_good():
+    flat = StepCost([1, 2, 4, 8, 16], [10, 10, 10.5, 11, 20])
+    planner = DepthPlanner(flat, NgramDrafter())
+    good, bad = _Seq([0.9] * 8), _Seq([0.02] * 8)
+    depths = planner.plan([good, bad], base_rows=2, room=[8, 8])
+    assert depths[0] >= 4 and depths[1] == 0  # rows up to 8 are nearly free: the good slot takes them
+    assert planner.plan([good], base_rows=1, room=[2]) == [2]  # never past the tokens left
+    steep = StepCost([1, 2], [10, 20])  # every row costs a full step: drafting 0.5-likely tokens does not pay
+    assert DepthPlanner(steep, NgramDrafter()).plan([_Seq([0.5] * 8)], 1, [8]) == [0]
+    assert DepthPlanner(steep, NgramDrafter(), fixed_depth=3).plan([bad, good], 2, [8, 1]) == [3, 1]
+
+
+def test_ngram_lookup_proposes_what_followed_the_last_occurrence():
+    seq = Sequence([5, 6, 7, 8, 9, 1, 2, 3], 10, set())
+    seq.tokens = [6, 7]
+    assert NgramDrafter().propose([seq], [3]) == [[8, 9, 1]]
+    seq.tokens = [6, 7, 8, 4]  # [8, 4] never occurred before: no draft
+    assert NgramDrafter().propose([seq], [3]) == [[]]
+
+
+def test_drafter_settings_are_checked(tmp_path):
+    assert parse_drafter("NGRAM") == "ngram" and parse_drafter("draft:smollm2-135m-instruct").startswith("draft:")
+    with pytest.raises(CadenceError, match="Unknown drafter"):
+        parse_drafter("medusa9")
+    with pytest.raises(CadenceError, match="Draft depth"):
+        Engine(backend="cpu", batch="off", drafter="ngram", draft_depth=99)
+
+
+def test_a_draft_model_of_another_kind_is_refused_with_a_sentence():
+    eng = Engine(backend="cpu", batch="off", drafter="draft:whisper-tiny.en")
+    try:
+        with pytest.raises(CadenceError, match="The draft model whisper-tiny.en cannot draft for smollm2"):
+            _ask(eng, "Hi.").result(300)
+    finally:
+        eng.shutdown()
+
+
+def test_drafting_shows_in_status_step_log_and_results(tmp_path):
+    log = tmp_path / "steps.jsonl"
+    eng = Engine(backend="cpu", batch=2, drafter="ngram", step_log=log)
+    try:
+        got = _ask(eng, PROMPTS[1]).result(300)
+        status = eng.status()
+    finally:
+        eng.shutdown()
+    stats = got["stats"]["drafting"]
+    assert stats["drafted"] > 0 and 0 < stats["acceptance"] <= 1
+    assert stats["mean_acceptance_length"] == pytest.approx(1 + stats["accepted"] / max(1, _verifications(log)), abs=1e-3)
+    lane = status["lanes"]["smollm2-135m-instruct"]["drafting"]
+    assert lane["drafter"] == "ngram" and lane["drafted"] == stats["drafted"] and lane["accepted"] == stats["accepted"]
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sum(sum(line["drafted"].values()) for line in lines) == stats["drafted"]
+    assert sum(sum(line["accepted"].values()) for line in lines) == stats["accepted"]
+    assert sum(sum(line["tokens"].values()) for line in lines) == len(got["tokens"])
+
+
+def _verifications(log):
+    return sum(1 for line in log.read_text().splitlines() if json.loads(line)["drafted"])
