@@ -64,10 +64,11 @@ def _check_model(name: str, family: str):
 class _Session:
     """An engine for one command: handles are cancelled on Ctrl-C, and the engine always shuts down."""
 
-    def __init__(self, backend: str, batch: str | int | None):
+    def __init__(self, backend: str, batch: str | int | None, drafting: dict | None = None):
         from engine.engine import Engine
 
-        self.engine = Engine(backend=backend, batch=batch)  # batch None: the engine reads CADENCE_BATCH
+        # batch None: the engine reads CADENCE_BATCH; drafter None: CADENCE_DRAFTER
+        self.engine = Engine(backend=backend, batch=batch, **(drafting or {}))
         self.handles: list = []
         self.created = time.perf_counter()
         self.first_started: float | None = None
@@ -75,7 +76,9 @@ class _Session:
     def width_note(self, model: str) -> str:
         """', batch width N (from ...)' for a model whose lane is loaded, else ''."""
         lane = self.engine.status()["lanes"].get(model)
-        return f", batch width {lane['width']} ({lane['width_from']})" if lane else ""
+        if not lane:
+            return ""
+        return f", batch width {lane['width']} ({lane['width_from']}), {drafting_note(lane['drafting'])}"
 
     def submit(self, request):
         handle = self.engine.submit(request)
@@ -180,11 +183,23 @@ def _failed_entry(reply, error: str) -> dict:
             "message_id": reply.message_id, "error": error}
 
 
+def drafting_note(drafting: dict) -> str:
+    """'drafting with ngram: 61% of 230 drafts accepted' or 'drafting off (why)'."""
+    if drafting.get("state") != "on":
+        return f"drafting {drafting.get('state', 'off')}"
+    if not drafting.get("drafted"):
+        return f"drafting with {drafting['drafter']}: nothing drafted"
+    return (f"drafting with {drafting['drafter']}: {drafting['acceptance']:.0%} of {drafting['drafted']} drafts accepted, "
+            f"{drafting['mean_acceptance_length']} tokens per check")
+
+
 def _speed_line(stats: dict) -> str:
     seconds = stats.get("seconds") or 0.0
     dropped = stats.get("dropped_turns") or 0
     return (f"{stats['tokens']} tokens in {seconds:.2f} s ({stats['tok_s']} tok/s, "
             f"first token after {stats.get('time_to_first_token')} s, {stats['finish_reason']})"
+            + (f"; {stats['drafting']['acceptance']:.0%} of {stats['drafting']['drafted']} drafted tokens accepted"
+               if (stats.get("drafting") or {}).get("drafted") else "")
             + (f"; {dropped} earlier turn{'s' if dropped != 1 else ''} left out to fit the context" if dropped else ""))
 
 
@@ -253,7 +268,7 @@ def cmd_chat(args) -> int:
     failed = 0
     streamed = False
     try:
-        with _Session(args.backend, batch) as session:
+        with _Session(args.backend, batch, drafting_flags(args)) as session:
             conversations = Conversations(session.engine, store.path)
             try:
                 _err(f"Answering {len(prompts)} prompt{'s' if len(prompts) != 1 else ''} with {source.name} "
@@ -334,6 +349,19 @@ def _add_engine_flags(p: argparse.ArgumentParser, backends) -> None:
                    help="slots decoded together: auto (measured for this machine), off (one at a time, the exact "
                         "single-stream path) or N (default: $CADENCE_BATCH, else auto)")
     p.add_argument("--backend", choices=backends, default="auto")
+    p.add_argument("--drafter", default=None, metavar="auto|mtp|ngram|draft:MODEL|off",
+                   help="how tokens are drafted ahead and checked in the same step: auto (the model's MTP head, else "
+                        "n-gram lookup), mtp, ngram, draft:MODEL (a smaller model with the same tokenizer) or off "
+                        "(default: $CADENCE_DRAFTER, else auto); output is the same either way")
+    p.add_argument("--draft-depth", type=int, default=None, metavar="N",
+                   help="draft N tokens per slot and step (default: chosen per slot, each step)")
+    p.add_argument("--draft-min-p", type=float, default=0.0, metavar="P",
+                   help="skip MTP drafts the head gives less than probability P (default 0)")
+
+
+def drafting_flags(args) -> dict:
+    """The engine's drafting arguments from the command line."""
+    return {"drafter": args.drafter, "draft_depth": args.draft_depth, "draft_min_p": args.draft_min_p}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -395,6 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gui", help="open the desktop app")
     p.set_defaults(func=cmd_gui)
+
+    from engine.cli_train import add_parser as add_train_parser
+
+    add_train_parser(sub)
     return parser
 
 

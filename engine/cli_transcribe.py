@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from engine.cli import _check_model, _err, _Session, expand_inputs, parse_batch
+from engine.cli import _check_model, _err, _Session, drafting_flags, expand_inputs, parse_batch
 from engine.errors import CadenceError
 
 
@@ -72,7 +72,7 @@ def cmd_transcribe(args) -> int:
 
     show_progress = sys.stderr.isatty()
     entries, failed = [], 0
-    with _Session(args.backend, batch) as session:
+    with _Session(args.backend, batch, drafting_flags(args)) as session:
         handles = {}
         for job_id in ids:  # refuse what cannot be written before decoding anything
             job = jobs.get(job_id)

@@ -17,6 +17,7 @@ import torch
 
 from engine.audio import SAMPLE_RATE, load_audio
 from engine.errors import CadenceError, RequestError
+from engine.drafting import DraftCounts
 from engine.models import WHISPER
 from engine.scheduler import Sequence
 from engine.transcript import Segment, Transcript
@@ -169,10 +170,14 @@ def start_transcription(engine, handle) -> list[Sequence]:
         req.on_plan(plan)
     handle._emit(Event("started", handle.id, done=len(results), total=len(plan.spans), text=plan.language))
 
+    drafting = DraftCounts()  # this file's windows' drafts, for its stats
+
     def finish_if_complete():
         if len(results) == len(plan.spans):
             ordered = [results[i] for i in range(len(plan.spans))]
-            handle._emit(Event("finished", handle.id, result=assemble_transcript(plan, ref.tok, ordered)))
+            transcript = assemble_transcript(plan, ref.tok, ordered)
+            transcript.stats["drafting"] = drafting.to_json()
+            handle._emit(Event("finished", handle.id, result=transcript))
 
     def on_token(seq, token) -> bool:  # stop a window that has fallen into a repetition loop
         return len(seq.tokens) >= LOOP_MIN_TOKENS and repetition_start(seq.tokens) is not None
@@ -189,6 +194,7 @@ def start_transcription(engine, handle) -> list[Sequence]:
         if seq.finish_reason == "cancelled":
             handle._emit(Event("failed", handle.id, message=f"{plan.name}: transcription was cancelled."))
             return
+        drafting.merge(seq.draft_counts)
         window = WindowResult(seq.tokens, ref.no_speech_probability(seq.probe_logits),
                               seq.logprob_sum / (len(seq.tokens) + 1))
         results[seq.index] = window
