@@ -232,7 +232,7 @@ def _clock(seconds: float) -> str:
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
 
 
-def _document(doc: dict):
+def transcript_context(doc: dict):
     """(number of parts, system_for(n), notice(n)) for a transcript kept in a conversation's context."""
     segments = [s for s in doc.get("segments") or [] if str(s[2]).strip()]
     if segments:
@@ -637,7 +637,7 @@ class Conversations:
                      if m.role == "user" or (m.state != "failed" and m.content.strip())]
             transcript = (conv.context or {}).get("transcript")
             if transcript and not transcript.get("fitted"):
-                parts, system_for, _ = _document(transcript)
+                parts, system_for, _ = transcript_context(transcript)
                 request = DocumentChatRequest(prompt=prompt, history=turns, model=conv.model, params=conv.params,
                                               parts=parts, system_for=system_for)
             else:
@@ -762,7 +762,7 @@ class Conversations:
         """The transcript was cut (or not) to fit: keep the system prompt used and the notice."""
         conv = self.get(reply.conversation_id)
         transcript = dict((conv.context or {}).get("transcript") or {})
-        parts, _, notice = _document(transcript)
+        parts, _, notice = transcript_context(transcript)
         used = int(info.get("document_parts") or 0)
         cut = notice(used)
         reply.notice = f"The transcript was cut to {cut} to fit this model's context." if cut else None
