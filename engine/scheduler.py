@@ -334,8 +334,9 @@ class Lane:
             offset += len(r)
         with_hidden = self.drafter is not None and self.drafter.needs_hidden
         t0 = time.perf_counter()
-        out = self.decoder.forward(batch, torch.tensor(wanted, device=batch.tokens.device), with_hidden=with_hidden)
-        logits, hidden = out if with_hidden else (out, None)
+        rows_t = torch.tensor(wanted, device=batch.tokens.device)
+        logits, hidden = self.decoder.forward(batch, rows_t, with_hidden=True) if with_hidden else \
+            (self.decoder.forward(batch, rows_t), None)
         logits = logits.cpu()  # token choice runs on the CPU, per sequence, with its own generator
         now = time.perf_counter()
         emitted: dict[int, int] = {}
