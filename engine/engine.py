@@ -13,6 +13,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -102,6 +103,7 @@ class Handle:
         if event.terminal:
             self._final = event
             self._engine._work.pop(self.id, None)  # the engine keeps nothing of an ended request
+            self._engine._reading.pop(self.id, None)
         self.events.put(event)
 
     def __iter__(self):
@@ -172,6 +174,9 @@ class Engine:
         self._lanes: dict[str, object] = {}
         self._calibrations: dict[str, object] = {}
         self._work: dict[int, list] = {}  # handle id -> its sequences
+        # Audio files are read and planned on a thread of their own, so no slot waits for a file to decode.
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadence-audio")
+        self._reading: dict[int, Handle] = {}  # handle id -> a transcription whose audio is being read
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cadence-engine", daemon=True)
         self._thread.start()
@@ -192,6 +197,10 @@ class Engine:
         self._stop.set()
         self._commands.put(("stop", None))
         self._thread.join(timeout)
+        self._reader.shutdown(wait=True, cancel_futures=True)
+        for handle in list(self._reading.values()):  # files still being read (or never started) when it stopped
+            if handle._final is None:
+                handle._emit(Event("failed", handle.id, message="The engine was shut down."))
         # A submit that raced the stop command was queued behind it: it still gets its final event.
         while True:
             try:
@@ -317,6 +326,8 @@ class Engine:
                 self._step_log = handle  # the new file, or None
             elif command == "submit":
                 self._start(handle)
+            elif command == "planned":
+                self._planned(*handle)
             elif command == "cancel":
                 for seq in self._work.get(handle.id, []):
                     seq.cancelled = True
@@ -337,18 +348,57 @@ class Engine:
         lane.slots = [None] * lane.width
         lane.waiting.clear()
 
-    def _start(self, handle: Handle) -> None:
+    def _read_audio(self, handle: Handle, reference) -> None:
+        """Reader thread: decode and plan a file's audio, then hand it back to the engine thread."""
+        from engine.transcribe import read_plan
+
         try:
-            if isinstance(handle.request, ChatRequest):
+            result = read_plan(reference, handle.request)
+        except Exception as exc:  # reported on the engine thread, as every start failure is
+            result = exc
+        self._commands.put(("planned", (handle, result)))
+
+    def _planned(self, handle: Handle, plan) -> None:
+        """Engine thread: a transcription's audio is read; its windows join the lane."""
+        self._reading.pop(handle.id, None)
+        if handle._final is not None:
+            return
+        if handle.cancelled:
+            name = plan.name if not isinstance(plan, Exception) else "The file"
+            handle._emit(Event("failed", handle.id, message=f"{name}: transcription was cancelled."))
+            return
+
+        def start():
+            if isinstance(plan, Exception):
+                raise plan
+            from engine.transcribe import start_transcription
+
+            return start_transcription(self, handle, plan)
+
+        self._begin(handle, start)
+
+    def _start(self, handle: Handle) -> None:
+        def start():
+            request = handle.request
+            if isinstance(request, ChatRequest):
                 from engine.requests import start_chat
 
-                self._work[handle.id] = start_chat(self, handle)
-            elif isinstance(handle.request, TranscribeRequest):
-                from engine.transcribe import start_transcription
+                return start_chat(self, handle)
+            if isinstance(request, TranscribeRequest):
+                self.lane(request.model, WHISPER)  # load the model here: its errors fail the request now
+                self._reading[handle.id] = handle
+                self._reader.submit(self._read_audio, handle, self.reference(request.model))
+                return None
+            raise CadenceError(f"Unknown request type {type(request).__name__}.")
 
-                self._work[handle.id] = start_transcription(self, handle)
-            else:
-                raise CadenceError(f"Unknown request type {type(handle.request).__name__}.")
+        self._begin(handle, start)
+
+    def _begin(self, handle: Handle, start: Callable[[], list | None]) -> None:
+        """Run a request's start on the engine thread; any failure becomes its one-sentence event."""
+        try:
+            seqs = start()
+            if seqs is not None:
+                self._work[handle.id] = seqs
         except CadenceError as exc:
             handle._emit(Event("failed", handle.id, message=str(exc)))
         except Exception as exc:

@@ -44,6 +44,8 @@ class TranscriptionPlan:
     spans: list[tuple[int, int, np.ndarray]]  # (first frame, frames of content, padded window)
     started: float
     silent: set[int] = field(default_factory=set)  # windows with no sound to speak of: not decoded
+    task: str = "transcribe"
+    detect_window: np.ndarray | None = None  # the first 30 s, for language detection when none was given
 
     def silent_result(self) -> WindowResult:
         """What a silent window counts as: no tokens, certainly no speech."""
@@ -66,21 +68,43 @@ def check_language(tok: WhisperTokenizer, model_name: str, language: str | None,
 
 
 def plan_transcription(decoder: WhisperReference, samples: np.ndarray, language: str | None = None,
-                       task: str = "transcribe", name: str = "audio") -> TranscriptionPlan:
+                       task: str = "transcribe", name: str = "audio", detect: bool = True) -> TranscriptionPlan:
+    """Features, windows and silent windows of a clip. With ``detect`` False, an undetected language
+    stays None (and the prompt empty) for :func:`detect_plan_language` to settle on the model's thread:
+    everything else here is plain array work that any thread may do."""
     tok = decoder.tok
     language = check_language(tok, decoder.loaded.source.name, language, task)
     if samples.size < SAMPLE_RATE // 10:
         raise CadenceError(f"{Path(name).name} is too short to transcribe ({samples.size / SAMPLE_RATE:.2f} s).")
     started = time.perf_counter()
     features = log_mel(samples, decoder.model.config.num_mel_bins)
-    if language is None:
-        language, _ = decoder.detect_language(decoder.encode(pad_window(features[:, :WINDOW_FRAMES])))
-    prompt = tok.sot_sequence(language, task) + [tok.no_timestamps]
     spans = list(windows(features))
     hop = SAMPLE_RATE // FRAMES_PER_SECOND
     silent = {i for i, (seek, size, _) in enumerate(spans)
               if _rms(samples[seek * hop : (seek + size) * hop]) < SILENCE_RMS}
-    return TranscriptionPlan(name, language, prompt, samples.size / SAMPLE_RATE, spans, started, silent)
+    plan = TranscriptionPlan(name, language, [], samples.size / SAMPLE_RATE, spans, started, silent, task)
+    if language is not None:
+        plan.prompt = tok.sot_sequence(language, task) + [tok.no_timestamps]
+        return plan
+    plan.detect_window = pad_window(features[:, :WINDOW_FRAMES])
+    if detect:
+        detect_plan_language(decoder, plan)
+    return plan
+
+
+def detect_plan_language(decoder: WhisperReference, plan: TranscriptionPlan) -> None:
+    """Detect the language from the first window and build the prompt (runs the model)."""
+    plan.language, _ = decoder.detect_language(decoder.encode(plan.detect_window))
+    plan.detect_window = None
+    plan.prompt = decoder.tok.sot_sequence(plan.language, plan.task) + [decoder.tok.no_timestamps]
+
+
+def read_plan(ref: WhisperReference, req) -> TranscriptionPlan:
+    """Read a request's audio and plan its windows, without the model: runs on the engine's reader thread,
+    so decoding and resampling a file never holds up the slots decoding others."""
+    name = str(req.audio) if not isinstance(req.audio, np.ndarray) else (req.name or "audio")
+    samples = req.audio if isinstance(req.audio, np.ndarray) else load_audio(req.audio)
+    return plan_transcription(ref, samples, req.language, req.task, req.name or name, detect=False)
 
 
 def _rms(x: np.ndarray) -> float:
@@ -154,16 +178,16 @@ def transcribe_file(decoder: WhisperReference, path: str | Path, language=None, 
     return transcribe_samples(decoder, load_audio(path), language, task, name=str(path))
 
 
-def start_transcription(engine, handle) -> list[Sequence]:
+def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequence]:
+    """One sequence per window still to decode, on the model's lane (engine thread)."""
     from engine.engine import Event
 
     req = handle.request
     lane = engine.lane(req.model, WHISPER)
     ref = engine.reference(req.model)
     decoder = lane.decoder
-    name = str(req.audio) if not isinstance(req.audio, np.ndarray) else (req.name or "audio")
-    samples = req.audio if isinstance(req.audio, np.ndarray) else load_audio(req.audio)
-    plan = plan_transcription(ref, samples, req.language, req.task, req.name or name)
+    if plan.language is None:
+        detect_plan_language(ref, plan)
     results: dict[int, WindowResult] = {i: plan.silent_result() for i in plan.silent}
     results.update({i: r for i, r in (req.done_windows or {}).items() if 0 <= i < len(plan.spans)})
     if req.on_plan:
