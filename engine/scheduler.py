@@ -11,6 +11,7 @@ running ones by one encoder layer, not a whole encoder; the time it takes is in 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from engine.drafting import MAX_DEPTH, PRIOR_ACCEPTANCE, DepthPlanner, DraftCoun
 from engine.errors import record_fault
 from engine.sampling import SamplingParams, TokenPicker
 from engine.seam import BatchedDecoder, StepBatch
+
+log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 64  # prompt rows a joining sequence feeds per step, so running slots keep moving
 
@@ -176,7 +179,8 @@ class Lane:
         return self.counters.steps
 
     def drafting_off(self, reason: str) -> None:
-        """Stop drafting on this lane (it keeps serving, one token per step); status says why."""
+        """Stop drafting on this lane (it keeps serving, one token per step); the log and status say why."""
+        log.warning("Drafting is off on lane %s: %s.", self.name, reason)
         self.drafter = None
         self.planner = None
         self.drafting_state = f"off: {reason}"

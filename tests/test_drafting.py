@@ -325,3 +325,27 @@ def test_drafting_shows_in_status_step_log_and_results(tmp_path):
 
 def _verifications(log):
     return sum(1 for line in log.read_text().splitlines() if json.loads(line)["drafted"])
+
+
+def test_running_out_of_memory_while_verifying_turns_drafting_off_and_redoes_the_step(smollm, chat_ref, caplog):
+    """Verification rows are what a lane adds by drafting: when they do not fit, the step runs again without them."""
+
+    class _TightDecoder(LlamaBatched):
+        def forward(self, batch, logit_rows=None, with_hidden=False):
+            if int(batch.lengths.max()) > 1 and not bool((batch.positions[:, 0] == 0).any()):
+                raise torch.OutOfMemoryError("no room for the draft rows")
+            return super().forward(batch, logit_rows, with_hidden)
+
+    decoder = _TightDecoder(smollm, width=2)
+    drafter = NgramDrafter()
+    lane = Lane(decoder, name="tight", drafter=drafter, planner=DepthPlanner(StepCost([1], [10.0]), drafter, 3),
+                drafting_state="on")
+    ids = chat_ref.prompt_ids(build_messages(PROMPTS[1]))
+    seq = Sequence(ids, 32, chat_ref.stop_ids)
+    lane.add(seq)
+    with caplog.at_level("WARNING"):
+        lane.run_until_idle()
+    assert lane.drafting_state == "off: the device ran out of memory while verifying drafts"
+    assert "Drafting is off on lane tight" in caplog.text
+    want = chat_ref.generate(ids, SamplingParams(max_tokens=32)).tokens
+    assert_same_or_near_tie(chat_ref, ids, seq.tokens, want)
