@@ -349,3 +349,19 @@ def test_running_out_of_memory_while_verifying_turns_drafting_off_and_redoes_the
     assert "Drafting is off on lane tight" in caplog.text
     want = chat_ref.generate(ids, SamplingParams(max_tokens=32)).tokens
     assert_same_or_near_tie(chat_ref, ids, seq.tokens, want)
+
+
+def test_cli_drafter_flag_reports_acceptance_and_rejects_unknown_drafters(tmp_path):
+    from test_cli import cadence
+
+    prompt = "Copy this list as it is: apples, pears, plums, cherries, grapes, lemons, limes."
+    got = json.loads(cadence("chat", prompt, "--drafter", "ngram", "--batch", "off", "--max-tokens", "40", "--json",
+                             check_rc=0, data_dir=tmp_path).stdout)
+    off = json.loads(cadence("chat", prompt, "--drafter", "off", "--batch", "off", "--max-tokens", "40", "--json",
+                             check_rc=0, data_dir=tmp_path).stdout)
+    assert got["tokens"] == off["tokens"]
+    assert got["stats"]["drafting"]["drafted"] > 0 and off["stats"]["drafting"]["drafted"] == 0
+    bad = cadence("chat", "Hi.", "--drafter", "medusa9", check_rc=2, data_dir=tmp_path)
+    assert bad.stderr.strip() == ("cadence: Unknown drafter 'medusa9': use one of auto, mtp, ngram, draft:MODEL, off.")
+    bad = cadence("transcribe", "x.wav", "--draft-min-p", "2", check_rc=2, data_dir=tmp_path)
+    assert "draft min-p must be at least 0 and below 1" in bad.stderr
