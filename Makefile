@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.cadence-installed
 
-.PHONY: setup system-deps run test bench clean
+.PHONY: setup system-deps run test bench package screenshots clean
 
 setup: system-deps $(STAMP)
 
@@ -30,5 +30,16 @@ test: setup
 bench: setup
 	$(PY) bench/single_stream.py
 
+# A folder app (dist/cadence) that runs without Python installed; PyInstaller is installed only here.
+package: setup
+	$(PY) -m pip install --quiet -e '.[package]'
+	$(VENV)/bin/pyinstaller --noconfirm --clean --distpath dist --workpath build/pyinstaller packaging/cadence.spec
+	cp packaging/cadence.desktop resources/cadence.svg dist/cadence/
+	@echo "Built dist/cadence (run dist/cadence/cadence-gui); 'bash packaging/install-desktop.sh dist/cadence' adds it to the menu."
+
+# A scripted session under Xvfb that saves a PNG of each main view into docs/screenshots/.
+screenshots: setup
+	xvfb-run -a -s "-screen 0 1400x900x24" $(PY) -m app.screenshots docs/screenshots
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

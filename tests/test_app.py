@@ -1,24 +1,36 @@
-"""The desktop window opens offscreen and lists the models; engine/ never imports Qt."""
+"""The desktop window opens offscreen with all its views and lists the models; engine/ never imports Qt."""
 
 import subprocess
 import sys
 from pathlib import Path
 
+from app_support import app_home, open_window  # noqa: F401  (fixture)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_main_window_opens_and_lists_models(qtbot):
-    from app.main_window import MainWindow
-
-    window = MainWindow()
-    qtbot.addWidget(window)
-    window.show()
-    qtbot.waitExposed(window)
+def test_main_window_opens_with_every_view_and_lists_models(qtbot, app_home):  # noqa: F811
+    window = open_window(qtbot, app_home())
     assert window.windowTitle() == "Cadence"
+    tabs = [window.tabs.tabText(i) for i in range(window.tabs.count())]
+    assert tabs == ["Transcribe", "Record", "Chats", "Engine", "Settings", "Models"]
     table = window.models_table
     names = {table.item(r, 0).text() for r in range(table.rowCount())}
     assert names == {"whisper-tiny.en", "whisper-base", "smollm2-135m-instruct"}
     assert not window.windowIcon().isNull()
+    # This machine has no microphone: the Record tab says so plainly and offers no Record button.
+    assert "no microphone" in window.recording.message.text()
+    assert not window.recording.record_button.isEnabled()
+
+
+def test_first_run_names_a_missing_default_model_and_what_to_do(qtbot, app_home):  # noqa: F811
+    window = open_window(qtbot, app_home(transcription_model="whisper-nonexistent"))
+    assert not window.banner.isHidden()
+    assert "whisper-nonexistent" in window.banner.text()
+    window2_settings = app_home(transcription_model="whisper-tiny.en", first_run_done=False)
+    window.close()
+    window2 = open_window(qtbot, window2_settings)
+    assert "offline" in window2.banner.text()
 
 
 def test_engine_has_no_qt_import():

@@ -1,0 +1,135 @@
+"""The Record tab: pick a microphone, watch the level, record / pause / stop; Stop queues the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import QTimer, Signal
+from PySide6.QtWidgets import (
+    QComboBox,
+    QFormLayout,
+    QHBoxLayout,
+    QLabel,
+    QProgressBar,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine.errors import CadenceError
+
+from app.recorder import Recorder, input_devices
+from app.transcripts import clock
+
+
+class RecordView(QWidget):
+    recorded = Signal(str)  # the saved file, already queued
+
+    def __init__(self, bridge, recorder: Recorder | None = None, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.bridge = bridge
+        self.recorder = recorder or Recorder()
+        self.device = QComboBox()
+        self.refresh_button = QPushButton("Look again")
+        self.refresh_button.clicked.connect(self.find_devices)
+        self.level = QProgressBar()
+        self.level.setRange(0, 100)
+        self.level.setTextVisible(False)
+        self.time = QLabel("0:00")
+        self.record_button = QPushButton("Record")
+        self.pause_button = QPushButton("Pause")
+        self.stop_button = QPushButton("Stop and transcribe")
+        self.record_button.clicked.connect(self.record)
+        self.pause_button.clicked.connect(self.toggle_pause)
+        self.stop_button.clicked.connect(self.stop)
+        self.message = QLabel()
+        self.message.setWordWrap(True)
+        form = QFormLayout()
+        device_row = QHBoxLayout()
+        device_row.addWidget(self.device, 1)
+        device_row.addWidget(self.refresh_button)
+        form.addRow("Microphone", device_row)
+        form.addRow("Level", self.level)
+        form.addRow("Recorded", self.time)
+        buttons = QHBoxLayout()
+        for b in (self.record_button, self.pause_button, self.stop_button):
+            buttons.addWidget(b)
+        buttons.addStretch(1)
+        layout = QVBoxLayout(self)
+        intro = QLabel("Recordings are saved as FLAC in your data folder as they are made and queued for "
+                       "transcription when you stop. Closing Cadence while recording keeps what was recorded.")
+        intro.setWordWrap(True)
+        layout.addWidget(intro)
+        layout.addLayout(form)
+        layout.addLayout(buttons)
+        layout.addWidget(self.message)
+        layout.addStretch(1)
+        self.timer = QTimer(self)
+        self.timer.timeout.connect(self._tick)
+        self.timer.start(50)
+        self.find_devices()
+
+    def find_devices(self) -> None:
+        devices, problem = input_devices()
+        self.device.clear()
+        for d in devices:
+            self.device.addItem(f"{d['name']} ({d['rate']} Hz)", d["index"])
+        chosen = self.bridge.settings.input_device
+        for i in range(self.device.count()):
+            if self.device.itemText(i).startswith(chosen) and chosen:
+                self.device.setCurrentIndex(i)
+        self.message.setText(problem or "")
+        self.message.setStyleSheet("background: #fff4ce; padding: 8px; border: 1px solid #e0c060; font-weight: bold"
+                                   if problem else "")
+        self.has_input = problem is None
+        if not devices:
+            self.device.addItem("(no input device found)", None)
+        self._update_buttons()
+
+    def _update_buttons(self) -> None:
+        state = self.recorder.state
+        self.record_button.setEnabled(state == "idle" and self.has_input)
+        self.pause_button.setEnabled(state != "idle")
+        self.pause_button.setText("Resume" if state == "paused" else "Pause")
+        self.stop_button.setEnabled(state != "idle")
+        self.device.setEnabled(state == "idle" and self.has_input)
+
+    def record(self) -> None:
+        try:
+            self.recorder.start(device=self.device.currentData())
+        except CadenceError as exc:
+            self.message.setText(str(exc))
+            return
+        self.bridge.settings.input_device = self.device.currentText().rsplit(" (", 1)[0]
+        self.message.setText(f"Recording to {self.recorder.path.name}.")
+        self._update_buttons()
+
+    def toggle_pause(self) -> None:
+        if self.recorder.state == "paused":
+            self.recorder.resume()
+        else:
+            self.recorder.pause()
+        self._update_buttons()
+
+    def stop(self) -> Path | None:
+        """Save the recording and queue it; returns the file (None when nothing was recorded)."""
+        path = self.recorder.stop()
+        self._update_buttons()
+        if path is None:
+            if self.recorder.error:
+                self.message.setText(self.recorder.error)
+            return None
+        self.bridge.add_paths([path])
+        self.message.setText(f"Saved {path.name} ({clock(self.recorder.seconds)}) and queued it for transcription.")
+        self.recorded.emit(str(path))
+        return path
+
+    def _tick(self) -> None:
+        if self.recorder.state == "idle":
+            if self.level.value():
+                self.level.setValue(0)
+            return
+        self.level.setValue(min(100, int(self.recorder.level * 300)))
+        self.time.setText(clock(self.recorder.seconds))
+        if self.recorder.error:
+            self.message.setText(self.recorder.error)

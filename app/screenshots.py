@@ -1,0 +1,132 @@
+"""A scripted session that saves a PNG of each main view: ``make screenshots`` (under Xvfb).
+
+It uses a fresh data folder and settings file of its own (your data is not touched), speaks a few
+sentences with espeak-ng, drops them on the queue, chats, and photographs each view while the
+engine works. Usage: ``python -m app.screenshots [OUTPUT_FOLDER]`` (default docs/screenshots).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SENTENCES = {
+    "standup.wav": ("en-us+f3", 140, "Good morning everyone. Yesterday we finished the billing migration. Today I will "
+                    "review the budget numbers and send the quarterly report to the finance team by Friday."),
+    "interview.wav": ("en-us+m3", 150, "Thank you for coming in. Tell me about a project you are proud of, and what you "
+                      "would do differently if you started it again tomorrow."),
+    "weather.wav": ("en-us+f3", 135, "Tomorrow will be cloudy with a chance of rain in the afternoon, so bring an umbrella."),
+}
+
+
+def speak(folder: Path) -> list[Path]:
+    out = []
+    for name, (voice, rate, text) in SENTENCES.items():
+        raw, path = folder / f"raw-{name}", folder / name
+        subprocess.run(["espeak-ng", "-w", str(raw), "-v", voice, "-s", str(rate), text], check=True)
+        subprocess.run(["sox", str(raw), "-r", "16000", "-c", "1", str(path)], check=True)
+        raw.unlink()
+        out.append(path)
+    long = folder / "meeting.wav"
+    subprocess.run(["sox", *[str(p) for p in out], *[str(p) for p in out], str(long)], check=True)
+    return [*out, long]
+
+
+def main(argv: list[str]) -> int:
+    target = Path(argv[0] if argv else "docs/screenshots").resolve()
+    target.mkdir(parents=True, exist_ok=True)
+    home = Path(tempfile.mkdtemp(prefix="cadence-screenshots-"))
+    os.environ["CADENCE_DATA_DIR"] = str(home / "data")
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication(["cadence"])
+    app.setApplicationName("Cadence")
+    from app.main_window import MainWindow
+    from app.settings import Settings
+    from engine.sampling import SamplingParams
+
+    def pump(seconds: float = 0.0, until=None, limit: float = 300.0) -> None:
+        end, stop = time.monotonic() + seconds, time.monotonic() + limit
+        while time.monotonic() < stop:
+            app.processEvents()
+            if until is None and time.monotonic() >= end:
+                return
+            if until is not None and until():
+                return
+            time.sleep(0.01)
+
+    def shot(name: str) -> None:
+        pump(0.3)
+        path = target / f"{name}.png"
+        window.grab().save(str(path))
+        print(f"saved {path}")
+
+    settings = Settings(home / "settings.ini")
+    settings.first_run_done = True
+    settings.max_width = 8
+    window = MainWindow(settings)
+    window.resize(1280, 800)
+    window.show()
+    pump(0.5)
+    files = speak(home)
+    try:
+        # Transcribe: a batch dropped on the queue, one file already open in the viewer.
+        window.bridge.add_paths(files[:3])
+        pump(until=lambda: not window.bridge.transcribing)
+        first = window.bridge.jobs.list()[0].id
+        window.open_transcript(first)
+        window.bridge.add_paths([files[3], home / "missing-recording.wav"])
+        pump(0.8)
+        window.queue.select_job(first)
+        window.transcript.search.setText("report")
+        shot("transcribe")
+        pump(until=lambda: not window.bridge.transcribing)
+
+        # Chats: two conversations answered at once; one open.
+        chats = window.chats
+        window.tabs.setCurrentWidget(chats)
+        prompts = ["What should a good meeting agenda contain?", "Give me three tips for writing clear emails."]
+        for prompt in prompts:
+            chats.new_chat()
+            chats.apply_settings(params=SamplingParams(max_tokens=120))
+            chats.send(prompt)
+        pump(until=lambda: not window.bridge.live_replies)
+        chats.open(chats.list.item(1).data(0x0100))
+        shot("chats")
+
+        # Engine: eight answers decoding at once, the panel live.
+        window.tabs.setCurrentWidget(window.engine_panel)
+        topics = ["a lighthouse", "the sea", "a city at night", "autumn", "a train journey", "the moon", "a garden",
+                  "a mountain"]
+        for topic in topics:
+            chats.new_chat()
+            chats.apply_settings(params=SamplingParams(max_tokens=400))
+            if not chats.send(f"Write a long story about {topic}."):
+                print(f"could not start a chat: {chats.error.text()}")
+
+        def busy_slots() -> int:
+            lane = (window.bridge.last_status.get("lanes") or {}).get(settings.chat_model) or {}
+            return sum(1 for slot in lane.get("slots") or [] if slot)
+
+        pump(until=lambda: busy_slots() >= 8, limit=60)
+        pump(4.0)
+        shot("engine")
+        pump(until=lambda: not window.bridge.live_replies)
+
+        window.tabs.setCurrentWidget(window.settings_panel)
+        shot("settings")
+        window.tabs.setCurrentWidget(window.recording)
+        shot("record")
+    finally:
+        window.close()
+        shutil.rmtree(home, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,179 @@
+"""What a person chooses once and keeps: backend, batching, drafter, default models, outputs.
+
+:class:`Settings` is the typed store (QSettings underneath: the platform's usual place, or an INI
+file given by path, which the tests use). The panel that edits it lives in
+:mod:`app.settings_panel`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from PySide6.QtCore import QSettings
+
+from engine.formats import FORMATS
+from engine.models import DEFAULT_CHAT, DEFAULT_WHISPER
+
+BACKENDS = ("auto", "cpu", "cuda", "mps")
+DRAFTERS = ("auto", "mtp", "ngram", "draft", "off")  # "draft" is sent as "draft:MODEL"
+DEFAULT_FORMATS = ("txt",)
+
+
+@dataclass
+class EngineChoice:
+    """The settings that decide how the engine is built (changing one means a new engine)."""
+
+    backend: str
+    batch: str | int  # "auto", "off" or a width
+    drafter: str  # auto | mtp | ngram | draft:MODEL | off
+    draft_depth: int  # 0: the engine chooses
+
+
+class Settings:
+    """Typed access to the app's QSettings. ``path``: an INI file (tests); None: the platform's place."""
+
+    def __init__(self, path: str | Path | None = None):
+        if path is None:
+            self.q = QSettings("Cadence", "Cadence")
+        else:
+            self.q = QSettings(str(path), QSettings.IniFormat)
+
+    # ------------------------------------------------------------------ helpers
+    def _get(self, key: str, default):
+        value = self.q.value(key, default)
+        return default if value is None else value
+
+    def _set(self, key: str, value) -> None:
+        self.q.setValue(key, value)
+        self.q.sync()
+
+    # ------------------------------------------------------------------ engine
+    @property
+    def backend(self) -> str:
+        value = str(self._get("engine/backend", "auto"))
+        return value if value in BACKENDS else "auto"
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        self._set("engine/backend", value)
+
+    @property
+    def batching(self) -> bool:
+        return str(self._get("engine/batching", "true")).lower() in ("true", "1")
+
+    @batching.setter
+    def batching(self, on: bool) -> None:
+        self._set("engine/batching", "true" if on else "false")
+
+    @property
+    def max_width(self) -> int:
+        """0: the calibrated width (auto); else a fixed lane width."""
+        try:
+            return max(0, int(self._get("engine/max_width", 0)))
+        except (TypeError, ValueError):
+            return 0
+
+    @max_width.setter
+    def max_width(self, value: int) -> None:
+        self._set("engine/max_width", int(value))
+
+    @property
+    def drafter(self) -> str:
+        value = str(self._get("engine/drafter", "auto"))
+        return value if value in DRAFTERS else "auto"
+
+    @drafter.setter
+    def drafter(self, value: str) -> None:
+        self._set("engine/drafter", value)
+
+    @property
+    def draft_model(self) -> str:
+        return str(self._get("engine/draft_model", ""))
+
+    @draft_model.setter
+    def draft_model(self, value: str) -> None:
+        self._set("engine/draft_model", value)
+
+    @property
+    def draft_depth(self) -> int:
+        try:
+            return max(0, int(self._get("engine/draft_depth", 0)))
+        except (TypeError, ValueError):
+            return 0
+
+    @draft_depth.setter
+    def draft_depth(self, value: int) -> None:
+        self._set("engine/draft_depth", int(value))
+
+    def engine_choice(self) -> EngineChoice:
+        batch: str | int = "off" if not self.batching else (self.max_width or "auto")
+        drafter = self.drafter
+        if drafter == "draft":
+            drafter = f"draft:{self.draft_model}" if self.draft_model else "auto"
+        return EngineChoice(self.backend, batch, drafter, self.draft_depth)
+
+    # ------------------------------------------------------------------ models
+    @property
+    def transcription_model(self) -> str:
+        return str(self._get("models/transcription", DEFAULT_WHISPER)) or DEFAULT_WHISPER
+
+    @transcription_model.setter
+    def transcription_model(self, value: str) -> None:
+        self._set("models/transcription", value)
+
+    @property
+    def chat_model(self) -> str:
+        return str(self._get("models/chat", DEFAULT_CHAT)) or DEFAULT_CHAT
+
+    @chat_model.setter
+    def chat_model(self, value: str) -> None:
+        self._set("models/chat", value)
+
+    @property
+    def language(self) -> str:
+        """'' : detect (multilingual models) or English (English-only models)."""
+        return str(self._get("transcription/language", ""))
+
+    @language.setter
+    def language(self, value: str) -> None:
+        self._set("transcription/language", value)
+
+    # ------------------------------------------------------------------ outputs
+    @property
+    def output_folder(self) -> str:
+        """'' : next to each input file."""
+        return str(self._get("output/folder", ""))
+
+    @output_folder.setter
+    def output_folder(self, value: str) -> None:
+        self._set("output/folder", value)
+
+    @property
+    def output_formats(self) -> list[str]:
+        value = self._get("output/formats", ",".join(DEFAULT_FORMATS))
+        items = value if isinstance(value, list) else str(value).split(",")
+        return [f for f in FORMATS if f in {i.strip() for i in items}]
+
+    @output_formats.setter
+    def output_formats(self, formats) -> None:
+        self._set("output/formats", ",".join(f for f in FORMATS if f in set(formats)))
+
+    # ------------------------------------------------------------------ recording
+    @property
+    def input_device(self) -> str:
+        """The name of the microphone last chosen ('' : the system default)."""
+        return str(self._get("record/device", ""))
+
+    @input_device.setter
+    def input_device(self, value: str) -> None:
+        self._set("record/device", value)
+
+    # ------------------------------------------------------------------ window
+    @property
+    def first_run_done(self) -> bool:
+        return str(self._get("app/first_run_done", "false")).lower() in ("true", "1")
+
+    @first_run_done.setter
+    def first_run_done(self, value: bool) -> None:
+        self._set("app/first_run_done", "true" if value else "false")

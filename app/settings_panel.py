@@ -1,0 +1,195 @@
+"""The settings panel: backend, batching, drafter, default models, outputs, where files live.
+
+Pressing Apply stores everything (QSettings, via :class:`app.settings.Settings`). Models, language
+and outputs apply to what is added from then on; backend, batching and drafter need a new engine,
+which the bridge builds at once when nothing is in flight, else as soon as the current work ends.
+The note under the button says which happened.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QFileDialog,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine.backend import available_backends, describe_backend, resolve_backend
+from engine.engine import Engine
+from engine.formats import FORMATS
+from engine.models import CHAT, WHISPER, list_models
+from engine.paths import cache_dir, data_dir
+
+from app.bridge import EngineBridge
+from app.settings import BACKENDS, DRAFTERS
+
+DRAFTER_LABELS = {"auto": "Automatic", "mtp": "MTP head", "ngram": "n-gram", "draft": "Draft model", "off": "Off"}
+
+
+def engine_drafts() -> bool:
+    return "drafter" in inspect.signature(Engine).parameters
+
+
+class SettingsPanel(QWidget):
+    def __init__(self, bridge: EngineBridge, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.bridge = bridge
+        s = bridge.settings
+        present = available_backends()
+
+        # engine ---------------------------------------------------------------
+        self.backend = QComboBox()
+        for name in BACKENDS:
+            self.backend.addItem(name.upper() if name != "auto" else "Automatic", name)
+            index = self.backend.count() - 1
+            if name != "auto" and name not in present:
+                self.backend.model().item(index).setEnabled(False)
+                self.backend.setItemData(index, f"{name.upper()} is not available on this machine", Qt.ToolTipRole)
+        self.backend.setCurrentIndex(max(0, self.backend.findData(s.backend)))
+        detected = resolve_backend("auto")
+        self.detected = QLabel(f"Detected: {describe_backend(detected)}")
+        self.batching = QCheckBox("Decode several requests together (batching)")
+        self.batching.setChecked(s.batching)
+        self.max_width = QSpinBox(minimum=0, maximum=256, value=s.max_width)
+        self.max_width.setSpecialValueText("auto")
+        self.batching.toggled.connect(self.max_width.setEnabled)
+        self.max_width.setEnabled(s.batching)
+        self.width_note = QLabel()
+        self.drafter = QComboBox()
+        for name in DRAFTERS:
+            self.drafter.addItem(DRAFTER_LABELS[name], name)
+        self.drafter.setCurrentIndex(max(0, self.drafter.findData(s.drafter)))
+        self.draft_model = QLineEdit(s.draft_model)
+        self.draft_model.setPlaceholderText("draft model name or path (for 'Draft model')")
+        self.draft_depth = QSpinBox(minimum=0, maximum=16, value=s.draft_depth)
+        self.draft_depth.setSpecialValueText("auto")
+        self.drafter.currentIndexChanged.connect(self._drafter_changed)
+        self.draft_note = QLabel("" if engine_drafts() else
+                                 "This version of the engine does not draft yet; the choice is kept for when it does.")
+        self.draft_note.setWordWrap(True)
+        engine_box = QGroupBox("Engine")
+        ef = QFormLayout(engine_box)
+        ef.addRow("Backend", self.backend)
+        ef.addRow("", self.detected)
+        ef.addRow(self.batching)
+        ef.addRow("Max width (slots per model)", self.max_width)
+        ef.addRow("", self.width_note)
+        ef.addRow("Drafter", self.drafter)
+        ef.addRow("Draft model", self.draft_model)
+        ef.addRow("Draft depth", self.draft_depth)
+        ef.addRow("", self.draft_note)
+        self._drafter_changed()
+
+        # models and outputs ---------------------------------------------------
+        models = list_models()
+        self.transcription_model = QComboBox()
+        self.transcription_model.setEditable(True)
+        self.transcription_model.addItems([m["name"] for m in models if m["family"] == WHISPER])
+        self.transcription_model.setCurrentText(s.transcription_model)
+        self.chat_model = QComboBox()
+        self.chat_model.setEditable(True)
+        self.chat_model.addItems([m["name"] for m in models if m["family"] == CHAT])
+        self.chat_model.setCurrentText(s.chat_model)
+        self.language = QLineEdit(s.language)
+        self.language.setPlaceholderText("detect (e.g. en, de, fr)")
+        self.output_folder = QLineEdit(s.output_folder)
+        self.output_folder.setPlaceholderText("next to each recording")
+        browse = QPushButton("Choose…")
+        browse.clicked.connect(self._choose_folder)
+        folder_row = QHBoxLayout()
+        folder_row.addWidget(self.output_folder, 1)
+        folder_row.addWidget(browse)
+        self.formats = {fmt: QCheckBox(fmt.upper()) for fmt in FORMATS}
+        formats_row = QHBoxLayout()
+        for fmt, box in self.formats.items():
+            box.setChecked(fmt in s.output_formats)
+            formats_row.addWidget(box)
+        formats_row.addStretch(1)
+        models_box = QGroupBox("Models and outputs")
+        mf = QFormLayout(models_box)
+        mf.addRow("Transcription model", self.transcription_model)
+        mf.addRow("Chat model", self.chat_model)
+        mf.addRow("Language", self.language)
+        mf.addRow("Save transcripts to", folder_row)
+        mf.addRow("Formats saved", formats_row)
+
+        # where files live -----------------------------------------------------
+        places = QGroupBox("Where files live")
+        pf = QFormLayout(places)
+        for label, value in (("Your data (jobs, chats, recordings)", str(data_dir())),
+                             ("Converted models (safe to delete)", str(cache_dir())),
+                             ("These settings", s.q.fileName())):
+            text = QLabel(value)
+            text.setTextInteractionFlags(Qt.TextSelectableByMouse)
+            pf.addRow(label, text)
+
+        self.apply_button = QPushButton("Apply")
+        self.apply_button.clicked.connect(self.apply)
+        self.note = QLabel()
+        self.note.setWordWrap(True)
+        row = QHBoxLayout()
+        row.addWidget(self.apply_button)
+        row.addWidget(self.note, 1)
+        layout = QVBoxLayout(self)
+        columns = QHBoxLayout()
+        columns.addWidget(engine_box, 1)
+        right = QVBoxLayout()
+        right.addWidget(models_box)
+        right.addWidget(places)
+        columns.addLayout(right, 1)
+        layout.addLayout(columns)
+        layout.addLayout(row)
+        layout.addStretch(1)
+        bridge.status_changed.connect(self._show_width)
+        bridge.engine_rebuilt.connect(self.note.setText)
+
+    def _drafter_changed(self, *_):
+        self.draft_model.setEnabled(self.drafter.currentData() == "draft")
+        self.draft_depth.setEnabled(self.drafter.currentData() != "off")
+
+    def _choose_folder(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Save transcripts to")
+        if folder:
+            self.output_folder.setText(folder)
+
+    def _show_width(self, status: dict) -> None:
+        parts = []
+        for model, lane in (status.get("lanes") or {}).items():
+            chosen = (lane.get("calibration") or {}).get("chosen")
+            parts.append(f"{model}: {lane.get('width')} in use" + (f" (calibrated: {chosen})" if chosen else ""))
+        text = "; ".join(parts) or "auto measures the best width for each model on first use"
+        if self.width_note.text() != text:
+            self.width_note.setText(text)
+
+    def apply(self) -> str:
+        s = self.bridge.settings
+        before = s.engine_choice()
+        s.backend = self.backend.currentData()
+        s.batching = self.batching.isChecked()
+        s.max_width = self.max_width.value()
+        s.drafter = self.drafter.currentData()
+        s.draft_model = self.draft_model.text().strip()
+        s.draft_depth = self.draft_depth.value()
+        s.transcription_model = self.transcription_model.currentText().strip()
+        s.chat_model = self.chat_model.currentText().strip()
+        s.language = self.language.text().strip()
+        s.output_folder = self.output_folder.text().strip()
+        s.output_formats = [f for f, box in self.formats.items() if box.isChecked()] or ["txt"]
+        notes = ["Saved. Models, language and outputs apply to files and chats added from now on."]
+        if s.engine_choice() != before:
+            notes.append(self.bridge.apply_engine_settings())
+        text = " ".join(notes)
+        self.note.setText(text)
+        return text

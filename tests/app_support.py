@@ -1,0 +1,113 @@
+"""Shared pieces for the desktop app's tests: a private home (data folder + settings file) per test,
+opening the real window offscreen, dropping files on it, and waiting without blocking Qt."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import warnings
+
+from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl
+from PySide6.QtGui import QDragEnterEvent, QDropEvent
+from PySide6.QtWidgets import QApplication
+
+CHAT_TOKENS = 24  # answers stay short so the suite stays quick
+
+
+@pytest.fixture
+def app_home(tmp_path, monkeypatch):
+    """A data folder and a settings file of this test's own; returns a factory for Settings on them."""
+    from app.settings import Settings
+
+    data = tmp_path / "data"
+    data.mkdir()
+    monkeypatch.setenv("CADENCE_DATA_DIR", str(data))
+    ini = tmp_path / "settings.ini"
+
+    def settings(**values) -> Settings:
+        s = Settings(ini)
+        for key, value in values.items():
+            setattr(s, key, value)
+        return s
+
+    first = settings(max_width=8, first_run_done=True)
+    first.q.sync()
+    return settings
+
+
+def open_window(qtbot, settings, resume: bool = True):
+    from app.main_window import MainWindow
+
+    window = MainWindow(settings, resume=resume)
+    qtbot.addWidget(window)
+    window.show()
+    qtbot.waitExposed(window)
+    return window
+
+
+def drop_files(widget, paths) -> None:
+    """Drop files on a widget the way a file manager does (a real QDropEvent through Qt)."""
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(str(Path(p))) for p in paths])
+    center = widget.rect().center()
+    with warnings.catch_warnings():  # PySide6 marks the QPoint constructor deprecated; it is the one Qt has
+        warnings.simplefilter("ignore", DeprecationWarning)
+        enter = QDragEnterEvent(center, Qt.CopyAction, mime, Qt.LeftButton, Qt.NoModifier)
+    QApplication.sendEvent(widget, enter)  # Qt delivers a drop only to a widget the drag entered
+    assert enter.isAccepted(), "the widget refused the drag"
+    drop = QDropEvent(QPointF(center), Qt.CopyAction, mime, Qt.LeftButton, Qt.NoModifier)
+    QApplication.sendEvent(widget, drop)
+    assert drop.isAccepted(), "the widget refused the drop"
+
+
+def wait_jobs_settled(qtbot, window, timeout: float = 120) -> None:
+    """Until no job is in flight and every row shows its stored state."""
+    qtbot.waitUntil(lambda: not window.bridge.transcribing, timeout=int(timeout * 1000))
+    qtbot.wait(100)  # the last signals reach the window
+
+
+def wait_answers(qtbot, window, timeout: float = 120) -> None:
+    qtbot.waitUntil(lambda: not window.bridge.live_replies, timeout=int(timeout * 1000))
+    qtbot.wait(100)
+
+
+def row_texts(table) -> list[list[str]]:
+    return [[table.item(r, c).text() if table.item(r, c) else "" for c in range(table.columnCount())]
+            for r in range(table.rowCount())]
+
+
+def short_params(max_tokens: int = CHAT_TOKENS):
+    from engine.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens)
+
+
+class Heartbeat:
+    """A QTimer ticking every ``interval_ms`` on the window's thread; the longest gap between ticks is
+    how long the event loop was blocked (plus the interval)."""
+
+    def __init__(self, interval_ms: int = 10):
+        from PySide6.QtCore import QTimer
+
+        self.timer = QTimer()
+        self.timer.setInterval(interval_ms)
+        self.timer.timeout.connect(self._tick)
+        self.last: float | None = None
+        self.longest = 0.0
+        self.ticks = 0
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        if self.last is not None:
+            self.longest = max(self.longest, now - self.last)
+        self.last = now
+        self.ticks += 1
+
+    def start(self) -> None:
+        self.last, self.longest, self.ticks = None, 0.0, 0
+        self.timer.start()
+
+    def stop(self) -> None:
+        self.timer.stop()

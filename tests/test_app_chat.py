@@ -1,0 +1,120 @@
+"""Chats in the real window with the real chat model: two conversations answered at once, streamed,
+with stop, regenerate, edit and per-chat settings; and the window's event loop stays responsive
+(never blocked over 100 ms) while 8 slots decode, with the live engine panel drawing all of it."""
+
+from __future__ import annotations
+
+from app_support import Heartbeat, app_home, open_window, short_params, wait_answers  # noqa: F401
+
+from engine.sampling import SamplingParams
+
+
+def _new_short_chat(window, max_tokens: int = 24, prompt: str | None = None) -> int:
+    conversation_id = window.chats.new_chat()
+    assert window.chats.apply_settings(params=short_params(max_tokens))
+    if prompt:
+        assert window.chats.send(prompt), window.chats.error.text()
+    return conversation_id
+
+
+def test_two_chats_stream_at_once_with_stop_regenerate_edit(qtbot, app_home):  # noqa: F811
+    window = open_window(qtbot, app_home())
+    chats = window.chats
+    first = _new_short_chat(window, prompt="What is the capital of France?")
+    second = _new_short_chat(window, prompt="Name three colours.")
+    assert {r.reply.conversation_id for r in window.bridge.live_replies.values()} == {first, second}
+    seen_both_streaming = []
+    window.bridge.reply_update.connect(lambda c, m, text, tok_s: seen_both_streaming.append((c, len(text))))
+    wait_answers(qtbot, window)
+    assert {c for c, n in seen_both_streaming if n} == {first, second}  # both streamed text, interleaved in time
+
+    for conversation_id in (first, second):
+        answer = window.bridge.conversations.get(conversation_id).messages[-1]
+        assert answer.role == "assistant" and answer.state == "complete" and answer.content.strip()
+        assert answer.stats["decode_tok_s"] > 0
+    chats.open(first)
+    shown = chats.rendered_text()
+    assert "Paris" in shown and "tok/s" in shown and "writing" not in shown
+    assert [chats.list.item(i).text().startswith("●") for i in range(chats.list.count())] == [False, False]
+
+    # Stop: a long answer stopped early keeps its text as "stopped".
+    chats.apply_settings(params=short_params(400))
+    assert chats.send("Write a long story about a dragon who learns to bake bread.")
+    qtbot.waitUntil(lambda: len(window.bridge.answering(first).reply.text) > 20, timeout=60000)
+    assert chats.stop_button.isEnabled()
+    chats.stop_button.click()
+    wait_answers(qtbot, window)
+    stopped = window.bridge.conversations.get(first).messages[-1]
+    assert stopped.state == "stopped" and len(stopped.content) > 20
+    assert "stopped" in chats.rendered_text()
+
+    # Regenerate: a second version beside the first, with a seed so it may differ; both kept.
+    chats.apply_settings(params=SamplingParams(max_tokens=16, temperature=0.8, seed=7))
+    chats.regenerate_button.click()
+    wait_answers(qtbot, window)
+    answer = window.bridge.conversations.get(first).messages[-1]
+    assert answer.siblings == 2 and answer.sibling_index == 1
+    assert "version 2 of 2" in chats.rendered_text()
+    newest = answer.content
+    assert chats.older_button.isEnabled() and not chats.newer_button.isEnabled()
+    chats.older_button.click()  # flip back to the first (stopped) answer: both are kept
+    assert window.bridge.conversations.get(first).messages[-1].content == stopped.content
+    assert "version 1 of 2" in chats.rendered_text()
+    chats.newer_button.click()
+    assert window.bridge.conversations.get(first).messages[-1].content == newest
+
+    # Edit the last message: the new version is answered, the old one kept beside it.
+    chats.edit_button.click()
+    assert chats.input.toPlainText().startswith("Write a long story")
+    chats.input.setPlainText("Say hello.")
+    chats.send_button.click()
+    wait_answers(qtbot, window)
+    conv = window.bridge.conversations.get(first)
+    assert conv.messages[-2].content == "Say hello." and conv.messages[-2].siblings == 2
+    assert conv.messages[-1].state == "complete"
+
+    # Per-chat settings are the conversation's own; a bad value gets its sentence, nothing changes.
+    assert chats.apply_settings(system="Answer in French.")
+    assert window.bridge.conversations.get(first).system == "Answer in French."
+    assert not chats.apply_settings(params=SamplingParams(top_p=0))
+    assert "top-p" in chats.error.text()
+    # An empty message is refused with its sentence.
+    assert not chats.send("   ")
+    assert chats.error.text() == "The message is empty."
+
+
+def test_event_loop_never_blocks_while_8_slots_decode_and_the_panel_draws_them(qtbot, app_home):  # noqa: F811
+    window = open_window(qtbot, app_home(max_width=8))
+    window.tabs.setCurrentWidget(window.engine_panel)
+    # Load the model first (loading is the engine thread's business, but measure decoding alone).
+    _new_short_chat(window, max_tokens=4, prompt="Hi")
+    wait_answers(qtbot, window, timeout=180)
+    busy_seen = []
+    window.bridge.status_changed.connect(
+        lambda s: busy_seen.append(sum(1 for slot in s["lanes"]["smollm2-135m-instruct"]["slots"] if slot)))
+    beat = Heartbeat(10)
+    beat.start()
+    ids = []
+    for i in range(8):  # eight chats started one after another, as a person would (each its own event)
+        ids.append(_new_short_chat(window, max_tokens=40, prompt=f"Count from {i} to {i + 30}, one number per line."))
+        qtbot.wait(30)
+    heights_while_busy = []
+    qtbot.waitUntil(lambda: max(busy_seen, default=0) == 8, timeout=60000)
+    qtbot.waitUntil(lambda: heights_while_busy.append(window.engine_panel.slot_bar_heights()) or
+                    sum(1 for h in heights_while_busy[-1] if h > 0) >= 4, timeout=30000)
+    # Every view gets drawn while the slots decode: the open chat streams, the queue and panel update.
+    window.chats.open(ids[0])
+    for view in (window.chats, window.tabs.widget(0), window.engine_panel):
+        window.tabs.setCurrentWidget(view)
+        qtbot.wait(700)
+    wait_answers(qtbot, window, timeout=180)
+    beat.stop()
+    print(f"longest event-loop gap while 8 slots decoded: {beat.longest * 1000:.1f} ms over {beat.ticks} ticks")
+    assert beat.ticks > 50
+    assert beat.longest < 0.100, f"the event loop was blocked for {beat.longest * 1000:.0f} ms"
+    for conversation_id in ids:
+        answer = window.bridge.conversations.get(conversation_id).messages[-1]
+        assert answer.state == "complete" and answer.stats["tokens"] >= 10
+    panel = window.engine_panel
+    assert panel.samples > 4 and panel.time_points() > 4
+    assert len(panel.slot_bar_heights()) == 8

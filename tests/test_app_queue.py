@@ -1,0 +1,143 @@
+"""The transcription queue and transcript viewer, driven through the real window offscreen: files and
+a folder dropped on it are transcribed by the real engine and model, the rows show how each ended,
+the transcript opens, searches, exports and starts a chat about it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from app_support import app_home, drop_files, open_window, row_texts, wait_jobs_settled  # noqa: F401
+
+from app.queue_view import FILE, MESSAGE, PROGRESS, PROGRESS_ROLE, STATE
+
+
+def _row_of(window, name: str) -> list[str]:
+    rows = [r for r in row_texts(window.queue.table) if r[FILE] == name]
+    assert len(rows) == 1, row_texts(window.queue.table)
+    return rows[0]
+
+
+def test_dropped_files_and_folder_are_transcribed_and_the_transcript_opens(qtbot, app_home, speech, tmp_path):  # noqa: F811
+    inbox = tmp_path / "inbox"
+    (inbox / "more").mkdir(parents=True)
+    fox = shutil.copy(speech["fox"], inbox / "fox.wav")
+    shutil.copy(speech["report"], inbox / "more" / "report.wav")
+    (inbox / "more" / "notes.txt").write_text("not audio")  # not an audio name: a folder drop skips it
+    broken = inbox / "broken.wav"
+    broken.write_text("this is text, not audio\n")
+    window = open_window(qtbot, app_home(output_formats=["txt", "srt"]))
+
+    drop_files(window.queue, [fox, inbox / "more", broken])
+    assert window.queue.table.rowCount() == 3  # rows appear at once, before any decoding
+    wait_jobs_settled(qtbot, window)
+
+    assert _row_of(window, "fox.wav")[STATE] == "Done"
+    assert _row_of(window, "report.wav")[STATE] == "Done"
+    bad = _row_of(window, "broken.wav")
+    assert bad[STATE] == "Failed"
+    assert "broken.wav" in bad[MESSAGE] and "Traceback" not in bad[MESSAGE] and bad[MESSAGE].endswith(".")
+    row = window.queue.rows[window.bridge.jobs.list()[0].id]
+    assert window.queue.table.item(row, PROGRESS).data(PROGRESS_ROLE) == 100
+    # Outputs were saved next to each input, in every chosen format.
+    assert "lazy dog" in (inbox / "fox.txt").read_text().lower()
+    assert "-->" in (inbox / "fox.srt").read_text()
+    assert "quarterly report" in (inbox / "more" / "report.txt").read_text().lower()
+
+    # Open the transcript from the queue (double-click opens the same way).
+    fox_job = next(j for j in window.bridge.jobs.list() if j.path.endswith("fox.wav"))
+    window.queue.select_job(fox_job.id)
+    assert window.queue.open_button.isEnabled()
+    window.queue.open_button.click()
+    view = window.transcript
+    assert view.job_id == fox_job.id
+    texts = [view.table.item(r, 2).text() for r in range(view.table.rowCount())]
+    assert texts and "lazy dog" in " ".join(texts).lower()
+    view.search.setText("lazy")
+    assert view.visible_rows() and view.matches.text().startswith("1 match")
+    view.search.setText("zebra crossing")
+    assert view.visible_rows() == [] and view.matches.text() == "0 matches"
+    view.search.clear()
+
+    # Play from a segment: this machine has no output device, and the viewer says so.
+    view.play_segment(0)
+    assert view.player.position == 0.0
+    assert "no audio output device" in view.note.text()
+
+    view.copy_button.click()
+    from PySide6.QtWidgets import QApplication
+
+    assert "lazy dog" in QApplication.clipboard().text().lower()
+    out = tmp_path / "exports"
+    out.mkdir()
+    for fmt in ("txt", "srt", "vtt", "json"):
+        assert view.export_to(out / f"fox.{fmt}") is not None
+    assert (out / "fox.vtt").read_text().startswith("WEBVTT")
+    assert "lazy dog" in json.loads((out / "fox.json").read_text())["text"].lower()
+    assert view.export_to(out / "fox.docx") is None and "export to" in view.note.text()
+
+    # Chat about this transcript: a conversation whose context holds the transcript.
+    view.chat_button.click()
+    assert window.tabs.currentWidget() is window.chats
+    conv = window.bridge.conversations.get(window.chats.current)
+    assert "lazy dog" in conv.context["transcript"]["text"].lower()
+    assert conv.title == "About fox.wav"
+
+
+def test_cancel_retry_remove_and_a_model_that_cannot_load(qtbot, app_home, speech):  # noqa: F811
+    window = open_window(qtbot, app_home())
+    [job_id] = window.bridge.add_paths([speech["long"]])
+    window.queue.select_job(job_id)
+    assert window.queue.cancel_button.isEnabled()
+    window.queue.cancel_button.click()
+    wait_jobs_settled(qtbot, window)
+    assert window.bridge.jobs.get(job_id).state == "cancelled"
+    assert _row_of(window, "long.wav")[STATE] == "Cancelled"
+
+    window.queue.select_job(job_id)
+    assert window.queue.retry_button.isEnabled()
+    window.queue.retry_button.click()
+    wait_jobs_settled(qtbot, window)
+    job = window.bridge.jobs.get(job_id)
+    assert job.state == "done" and job.windows_total == 2
+    assert "quarterly report" in job.result["text"].lower()
+
+    window.queue.select_job(job_id)
+    window.queue.remove_button.click()
+    assert window.queue.table.rowCount() == 0 and window.bridge.jobs.list() == []
+
+    # A model that cannot be loaded: the row says why, in one sentence; the window goes on.
+    window.settings.transcription_model = "whisper-nonexistent"
+    [bad] = window.bridge.add_paths([speech["fox"]])
+    wait_jobs_settled(qtbot, window)
+    row = _row_of(window, "fox.wav")
+    assert row[STATE] == "Failed"
+    assert "whisper-nonexistent" in row[MESSAGE] and "\n" not in row[MESSAGE]
+
+
+def test_a_large_batch_is_queued_off_the_window_thread_and_fed_a_few_at_a_time(qtbot, app_home, speech, tmp_path,  # noqa: F811
+                                                                               monkeypatch):
+    import app.bridge
+
+    monkeypatch.setattr(app.bridge, "ADD_AT_ONCE", 4)  # small numbers, so a short test shows the large-batch path
+    monkeypatch.setattr(app.bridge, "MAX_JOBS_IN_ENGINE", 3)
+    folder = tmp_path / "batch"
+    folder.mkdir()
+    for i in range(10):
+        shutil.copy(speech["weather" if i % 2 else "fox"], folder / f"clip{i:02d}.wav")
+    window = open_window(qtbot, app_home())
+    most_in_engine, queued_rows_seen = [0], [False]
+
+    def watch(*_):
+        most_in_engine[0] = max(most_in_engine[0], len(window.bridge.live_jobs))
+        queued_rows_seen[0] |= any(r[STATE] == "Queued" for r in row_texts(window.queue.table))
+
+    window.bridge.job_changed.connect(watch)
+    assert window.bridge.add_paths([folder]) == []  # more than ADD_AT_ONCE files: queued on a thread
+    qtbot.waitUntil(lambda: window.queue.table.rowCount() == 10, timeout=20000)
+    wait_jobs_settled(qtbot, window)
+    assert 1 <= most_in_engine[0] <= 3 and queued_rows_seen[0]
+    jobs = window.bridge.jobs.list()
+    assert len(jobs) == 10 and all(j.state == "done" for j in jobs)
+    assert [j.path.rsplit("/", 1)[-1] for j in jobs] == [f"clip{i:02d}.wav" for i in range(10)]
+    assert window.queue.summary.text() == "10 files: 10 done"
