@@ -36,7 +36,8 @@ def describe_backend(device: str) -> str:
         return f"CUDA ({torch.cuda.get_device_name(0)})"
     if device == "mps":
         return "Apple Metal (MPS)"
-    return f"CPU ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return f"CPU ({threads} thread{'s' if threads != 1 else ''})"
 
 
 DTYPE_ENV = "CADENCE_DTYPE"  # float32 | float16 | bfloat16: overrides the per-backend choice

@@ -242,8 +242,9 @@ class Engine:
             calibration = None
             if self.batch == "auto" or self.drafter != "off":  # drafting needs the step-time curve too
                 calibration = calibrate(decoder, loaded.source.name, source_key(loaded.source))
+            if calibration is not None:
+                self._calibrations[model] = calibration  # the curve and its choice, shown even when not used
             if self.batch == "auto":
-                self._calibrations[model] = calibration
                 width = calibration.chosen
             else:
                 width = 1 if self.batch == "off" else self.batch
@@ -281,7 +282,8 @@ class Engine:
             lanes[model] = {
                 "family": lane.decoder.family,
                 "width": lane.width,
-                "width_from": "calibration" if calibration else ("batch off" if self.batch == "off" else self.batch_source),
+                "width_from": "calibration" if self.batch == "auto" else ("batch off" if self.batch == "off"
+                                                                          else self.batch_source),
                 "calibration": calibration.to_json() if calibration else None,
                 "cache_bytes": lane.decoder.cache_bytes,
                 "counters": lane.counters.to_json(),

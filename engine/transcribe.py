@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from engine.audio import SAMPLE_RATE, load_audio
-from engine.errors import CadenceError, RequestError
+from engine.errors import CadenceError, RequestError, record_fault
 from engine.drafting import DraftCounts
 from engine.models import WHISPER
 from engine.scheduler import Sequence
@@ -223,7 +223,15 @@ def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequenc
                               seq.logprob_sum / (len(seq.tokens) + 1))
         results[seq.index] = window
         if req.on_window:
-            req.on_window(seq.index, window)
+            try:  # the caller's record of a window (the job store) failing ends this file, not the lane
+                req.on_window(seq.index, window)
+            except Exception as exc:
+                for other in seqs:
+                    other.cancelled = True
+                message = (f"{plan.name}: its progress could not be recorded ({exc.__class__.__name__}: {exc}); "
+                           f"details are in {record_fault(exc)}.")
+                handle._emit(Event("failed", handle.id, message=message))
+                return
         handle._emit(Event("progress", handle.id, done=len(results), total=len(plan.spans), index=seq.index,
                            result=window, text=ref.tok.decode(cut_repetition(seq.tokens)).strip()))
         finish_if_complete()

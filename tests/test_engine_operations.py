@@ -61,7 +61,11 @@ def test_cadence_batch_environment_sets_the_width(monkeypatch, env, width):
         engine.submit(TranscribeRequest(SILENCE, model="whisper-tiny.en")).result(300)
         status = engine.status()
         assert status["batch_from"] == "CADENCE_BATCH"
-        assert status["lanes"]["whisper-tiny.en"]["width"] == width
+        lane = status["lanes"]["whisper-tiny.en"]
+        assert lane["width"] == width
+        assert lane["width_from"] == ("batch off" if env == "off" else "CADENCE_BATCH")
+        # The measured curve is still shown (and used to plan draft depth) when the width is set by hand.
+        assert lane["calibration"]["chosen"] in lane["calibration"]["widths"]
     finally:
         engine.shutdown()
 
