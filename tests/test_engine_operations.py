@@ -167,3 +167,15 @@ def test_a_submit_that_races_shutdown_still_gets_its_final_event():
     engine.shutdown(timeout=30)
     with pytest.raises(CadenceError, match="shut down"):
         late.result(timeout=5)
+
+
+def test_a_failing_window_callback_fails_its_own_file_only(engine4, speech):
+    def broken(index, window):
+        raise OSError("disk full")
+
+    doomed = engine4.submit(TranscribeRequest(speech["long"], model="whisper-tiny.en", on_window=broken))
+    fine = engine4.submit(TranscribeRequest(speech["fox"], model="whisper-tiny.en"))
+    with pytest.raises(CadenceError, match=r"long.wav: its progress could not be recorded \(OSError: disk full\)"):
+        doomed.result(300)
+    assert "fox" in fine.result(300).text.lower()
+    assert engine4.submit(TranscribeRequest(speech["fox"], model="whisper-tiny.en")).result(300).text
