@@ -27,6 +27,7 @@ from engine.conversations import Conversations, Reply, coalesce, drain
 from engine.engine import Engine
 from engine.errors import CadenceError, record_fault
 from engine.jobs import JobStore, settle_job, submit_job
+from engine.transcribe import LOGPROB_THRESHOLD, NO_SPEECH_THRESHOLD, cut_repetition
 
 from app.settings import EngineChoice, Settings
 from app.transcripts import write_outputs
@@ -35,6 +36,22 @@ PUMP_INTERVAL_S = 0.05  # events reach the window at most 20 times a second per 
 STATUS_INTERVAL_S = 0.25  # the live panel gets a status snapshot 4 times a second
 ADD_AT_ONCE = 32  # a batch larger than this is queued on a thread, this many jobs at a time
 MAX_JOBS_IN_ENGINE = 16  # files handed to the engine at once (enough to fill its slots); the rest wait here
+
+
+def _silent(window) -> bool:
+    """A window the finished transcript leaves out (the model calls it silence and its words were unsure)."""
+    if window is None or not getattr(window, "tokens", None):
+        return True
+    return window.no_speech_prob > NO_SPEECH_THRESHOLD and window.avg_logprob <= LOGPROB_THRESHOLD
+
+
+def _named(name: str, sentence: str, full_path: str | None) -> str:
+    """'NAME: sentence', naming the file once (engine sentences may start with its full path)."""
+    for prefix in (full_path, name):
+        if prefix and sentence.startswith(f"{prefix}: "):
+            sentence = sentence[len(prefix) + 2:]
+            break
+    return f"{name}: {sentence}"
 
 
 def unexpected(exc: BaseException, doing: str) -> str:
@@ -62,11 +79,14 @@ class LiveJob:
     handle: object
     model: str
     name: str
+    path: str = ""
     submitted: float = field(default_factory=time.monotonic)
     started: float | None = None  # when the engine had planned it (model loaded, audio decoded)
     done: int = 0
     total: int = 0
     remove_when_ended: bool = False
+    texts: dict[int, str] = field(default_factory=dict)  # window index -> its text, as each window finishes
+    duration: float | None = None  # seconds of audio, once the engine has read the file
 
 
 @dataclass
@@ -90,6 +110,7 @@ class EngineBridge(QObject):
     job_changed = Signal(int)  # a job's stored row changed (started, ended, removed)
     jobs_added = Signal(list)  # the Jobs just queued
     job_progress = Signal(int, int, int)  # job id, windows done, windows in all
+    job_text = Signal(int, int, str)  # job id, window index, that 30-s window's text (as each one finishes)
     reply_update = Signal(int, int, str, float)  # conversation id, answer id, text so far, tokens/s
     reply_ended = Signal(int, int, str)  # conversation id, answer id, error sentence ('' when it ended well)
     status_changed = Signal(dict)  # Engine.status() plus "labels": request id -> what it is
@@ -252,7 +273,7 @@ class EngineBridge(QObject):
             with self._engine_lock:
                 handle = submit_job(self.engine, self.jobs, job_id)
                 with self._lock:
-                    self.live_jobs[job_id] = LiveJob(job_id, handle, job.model, Path(job.path).name)
+                    self.live_jobs[job_id] = LiveJob(job_id, handle, job.model, Path(job.path).name, job.path)
         except CadenceError as exc:  # e.g. the file is gone: recorded as the job's error
             if self.jobs.get(job_id).state != "failed":
                 self.jobs.failed(job_id, str(exc))
@@ -353,20 +374,47 @@ class EngineBridge(QObject):
                 self.problem.emit(unexpected(exc, "following the engine"))
 
     def _pump_jobs(self) -> None:
+        """Each window's progress and text as it comes (a window takes seconds: a few signals at most), then,
+        once the engine is done with the file, how it ended. The signals carry what the window needs, as the
+        job may have left ``live_jobs`` by the time Qt delivers them."""
         for live in list(self.live_jobs.values()):
-            events = drain(live.handle.events, block=False)
-            moved = False
-            for event in events:
-                if event.kind in ("started", "progress"):
-                    if event.kind == "started" and live.started is None:
+            for event in drain(live.handle.events, block=False):
+                if event.kind == "started":
+                    if live.started is None:
                         live.started = time.monotonic()
-                    live.done, live.total, moved = event.done, event.total, True
+                    live.done, live.total = event.done, event.total
+                    earlier = self._earlier_windows(live, event.done)
+                    self.job_progress.emit(live.job_id, live.done, live.total)
+                    for index, text in earlier:
+                        self.job_text.emit(live.job_id, index, text)
+                elif event.kind == "progress":
+                    live.done, live.total = event.done, event.total
+                    self.job_progress.emit(live.job_id, live.done, live.total)
+                    if event.index >= 0:  # one more 30-s window finished: its text, as the transcript will have it
+                        text = "" if _silent(event.result) else (event.text or "")
+                        live.texts[event.index] = text
+                        self.job_text.emit(live.job_id, event.index, text)
                 elif event.terminal:
                     self._settle(live)
-                    moved = False
                     break
-            if moved:
-                self.job_progress.emit(live.job_id, live.done, live.total)
+
+    def _earlier_windows(self, live: LiveJob, done: int) -> list[tuple[int, str]]:
+        """The file's duration (the engine has just read it), and a resumed job's windows decoded in an
+        earlier session (stored as tokens): their text, so its partial transcript does not start empty."""
+        try:
+            live.duration = self.jobs.get(live.job_id).duration
+            if not done:
+                return []
+            stored = self.jobs.windows(live.job_id)
+            tok = self.engine.reference(live.model).tok
+        except (CadenceError, KeyError, AttributeError):
+            return []
+        texts = []
+        for index, window in sorted(stored.items()):
+            text = "" if _silent(window) else tok.decode(cut_repetition(window.tokens)).strip()
+            live.texts[index] = text
+            texts.append((index, text))
+        return texts
 
     def _settle(self, live: LiveJob) -> None:
         """Record how a job ended and write its output files; the row changes once."""
@@ -381,7 +429,7 @@ class EngineBridge(QObject):
                     self.jobs.get(job_id)
                 except CadenceError:  # its row is gone (removed meanwhile): say it where people look
                     if not live.remove_when_ended:
-                        self.problem.emit(f"{live.name}: {exc}")
+                        self.problem.emit(_named(live.name, str(exc), live.path))
                 return
             job = self.jobs.get(job_id)
             try:

@@ -248,9 +248,21 @@ class ChatView(QWidget):
         self.header.setText(f"<b>{html.escape(c.title or 'New chat')}</b> — {html.escape(c.model)}"
                             + (f" — about {html.escape(Path(about['file']).name)}" if about and about.get("file") else ""))
         self.error.clear()
+        self._select_in_list(conversation_id)
         self.render()
         self._update_buttons()
         self.conversation_opened.emit(conversation_id)
+
+    def _select_in_list(self, conversation_id: int) -> None:
+        """The list's selection follows the open conversation, however it was opened."""
+        for i in range(self.list.count()):
+            item = self.list.item(i)
+            if item.data(Qt.UserRole) == conversation_id:
+                if self.list.currentItem() is not item:
+                    self.list.blockSignals(True)
+                    self.list.setCurrentItem(item)
+                    self.list.blockSignals(False)
+                return
 
     def showEvent(self, event) -> None:
         super().showEvent(event)

@@ -15,6 +15,7 @@ from collections import deque
 
 import numpy as np
 import pyqtgraph as pg
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QComboBox,
@@ -88,11 +89,14 @@ class EnginePanel(QWidget):
         self.step_plot = pg.PlotWidget(title="Step time (ms)")
         self.step_curve = self.step_plot.plot(pen=pg.mkPen("#8e44ad", width=2))
         self.step_plot.setLabel("bottom", "seconds")
-        self.calibration_plot = pg.PlotWidget(title="Calibration: tokens/s by width (red: chosen)")
+        self.calibration_plot = pg.PlotWidget(title="Calibration: tokens/s by width")
         self.calibration_curve = self.calibration_plot.plot(pen=pg.mkPen("#3b7dd8", width=2), symbol="o", symbolSize=6)
         self.calibration_chosen = pg.ScatterPlotItem(size=12, brush="#c0392b")
         self.calibration_plot.addItem(self.calibration_chosen)
-        self.calibration_plot.setLabel("bottom", "width (slots)")
+        self.calibration_in_use = pg.InfiniteLine(pos=0, angle=90, pen=pg.mkPen("#555555", width=1, style=Qt.DashLine))
+        self.calibration_in_use.setVisible(False)
+        self.calibration_plot.addItem(self.calibration_in_use)
+        self.calibration_plot.setLabel("bottom", "width (red: chosen, dashed: in use)")
         self.calibration_note = pg.TextItem("", color="#666666", anchor=(0.5, 0.5))
         self.calibration_plot.addItem(self.calibration_note)
         self.calibration_note.setPos(0.5, 0.5)
@@ -258,25 +262,50 @@ class EnginePanel(QWidget):
         self.busy_plot.setXRange(t[0], max(t[-1], t[0] + 1), padding=0)
         self.step_curve.setData(t, np.fromiter(self._history_step_ms, float))
 
-        widths, aggregate = calibration.get("widths") or [], calibration.get("aggregate_tok_s") or []
-        curve = (name, tuple(widths), tuple(aggregate), chosen)
-        if curve != self._drawn_calibration:  # static once measured: redraw only when it changes
-            self._drawn_calibration = curve
-            self.calibration_curve.setData(widths, aggregate)
-            if widths and chosen in widths:
-                self.calibration_chosen.setData([chosen], [aggregate[widths.index(chosen)]])
-            else:
-                self.calibration_chosen.setData([], [])
-            if widths and aggregate:
-                self.calibration_note.setText("")
-                self.calibration_plot.setYRange(0, max(aggregate) * 1.1)
-                self.calibration_plot.setXRange(min(widths), max(widths))
-            else:
-                self.calibration_note.setText(f"Not measured: the width ({width}) was set in the settings")
-                self.calibration_plot.setXRange(0, 1)
-                self.calibration_plot.setYRange(0, 1)
-
+        self._draw_calibration(name, lane.get("calibration"), width, lane.get("width_from", ""))
         self._fill_table(name, slots, labels)
+
+    def _draw_calibration(self, name: str, calibration: dict | None, width: int, width_from: str) -> None:
+        """The measured curve (whenever the engine reports one, also when the width was set by hand), its
+        chosen width in red and the width in use as a dashed line; a note only when nothing was measured."""
+        calibration = calibration if isinstance(calibration, dict) else None
+        widths = list((calibration or {}).get("widths") or [])
+        aggregate = list((calibration or {}).get("aggregate_tok_s") or [])
+        chosen = (calibration or {}).get("chosen")
+        key = (name, calibration is None, tuple(widths), tuple(aggregate), chosen, width)
+        if key == self._drawn_calibration:  # static once measured: redraw only when it changes
+            return
+        self._drawn_calibration = key
+        self.calibration_curve.setData(widths, aggregate)
+        if widths and chosen in widths:
+            self.calibration_chosen.setData([chosen], [aggregate[widths.index(chosen)]])
+        else:
+            self.calibration_chosen.setData([], [])
+        if widths and aggregate:
+            self.calibration_note.setText("")
+            self.calibration_in_use.setPos(width)
+            self.calibration_in_use.setVisible(width > 0)
+            self.calibration_plot.setYRange(0, max(aggregate) * 1.1)
+            self.calibration_plot.setXRange(min(*widths, width), max(*widths, width))
+            return
+        self.calibration_in_use.setVisible(False)
+        if calibration is None:
+            why = "batching is off" if width_from == "batch off" else f"the width ({width}) was set in the settings"
+            self.calibration_note.setText(f"Not measured: {why}")
+        else:
+            self.calibration_note.setText("The engine reported no calibration curve")
+        self.calibration_plot.setXRange(0, 1)
+        self.calibration_plot.setYRange(0, 1)
+
+    @property
+    def calibration_drawn(self) -> dict:
+        """What the calibration plot shows now (for tests and the screenshots)."""
+        xs, ys = self.calibration_curve.getData()
+        red = self.calibration_chosen.getData()[0]
+        return {"widths": [] if xs is None else [int(x) for x in xs], "tok_s": [] if ys is None else list(ys),
+                "chosen": [int(x) for x in red] if red is not None else [],
+                "in_use": int(self.calibration_in_use.value()) if self.calibration_in_use.isVisible() else None,
+                "note": self.calibration_note.toPlainText()}
 
     @staticmethod
     def _set_bars(bars, xs, heights) -> None:

@@ -159,5 +159,6 @@ class MainWindow(QMainWindow):
         except CadenceError as exc:
             self.show_problem(str(exc))
         self.transcript.player.stop()
+        self.queue.probe.stop()
         self.bridge.close()
         super().closeEvent(event)

@@ -33,11 +33,13 @@ from engine.audio import AUDIO_EXTENSIONS
 from engine.errors import CadenceError
 
 from app.bridge import EngineBridge
+from app.probe import DurationProbe
 from app.transcripts import clock, output_targets
 
 COLUMNS = ["File", "Duration", "Model", "State", "Progress", "Elapsed / ETA", "Slots", "Message"]
 FILE, DURATION, MODEL, STATE, PROGRESS, TIMES, SLOTS, MESSAGE = range(len(COLUMNS))
 PROGRESS_ROLE = Qt.UserRole + 1
+PROGRESS_TEXT_ROLE = Qt.UserRole + 2  # what the bar says (windows done of all, while a file is in flight)
 STATE_NAMES = {"queued": "Queued", "running": "Transcribing", "done": "Done", "failed": "Failed",
                "cancelled": "Cancelled"}
 
@@ -52,7 +54,7 @@ class ProgressDelegate(QStyledItemDelegate):
         bar = QStyleOptionProgressBar()
         bar.rect = QRect(option.rect.adjusted(2, 3, -2, -3))
         bar.minimum, bar.maximum, bar.progress = 0, 100, int(value)
-        bar.text, bar.textVisible = f"{int(value)}%", True
+        bar.text, bar.textVisible = index.data(PROGRESS_TEXT_ROLE) or f"{int(value)}%", True
         QApplication.style().drawControl(QStyle.CE_ProgressBar, bar, painter)
 
 
@@ -64,6 +66,10 @@ class QueueView(QWidget):
         self.bridge = bridge
         self.setAcceptDrops(True)
         self.rows: dict[int, int] = {}  # job id -> row
+        self.window_texts: dict[int, dict[int, str]] = {}  # job in flight -> its finished windows' text
+        self.probed: dict[int, float] = {}  # job id -> seconds read from the file's header (not yet decoded)
+        self.probe = DurationProbe(self)
+        self.probe.known.connect(self._on_duration)
 
         intro = QLabel("Drop audio or video files or folders here (folders are searched inside), or add them. "
                        "Each file's transcript is saved as it finishes, and the queue is kept between sessions.")
@@ -77,7 +83,7 @@ class QueueView(QWidget):
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.Interactive)
         header.setStretchLastSection(True)
-        for column, width in ((FILE, 200), (DURATION, 70), (MODEL, 120), (STATE, 95), (PROGRESS, 120),
+        for column, width in ((FILE, 200), (DURATION, 70), (MODEL, 120), (STATE, 95), (PROGRESS, 140),
                               (TIMES, 100), (SLOTS, 50)):
             self.table.setColumnWidth(column, width)
         self.table.doubleClicked.connect(lambda index: self._open_row(index.row()))
@@ -114,6 +120,7 @@ class QueueView(QWidget):
         bridge.job_changed.connect(self.refresh_job)
         bridge.jobs_added.connect(self.add_jobs)
         bridge.job_progress.connect(self._on_progress)
+        bridge.job_text.connect(self._on_text)
         self.clock_timer = QTimer(self)
         self.clock_timer.timeout.connect(self._tick)
         self.clock_timer.start(500)
@@ -174,15 +181,22 @@ class QueueView(QWidget):
         self._cell(row, FILE).setText(name)
         self._cell(row, FILE).setToolTip(job.path)
         self._cell(row, FILE).setData(Qt.UserRole, job.id)
-        self._cell(row, DURATION).setText(clock(job.duration))
+        duration = job.duration if job.duration is not None else self.probed.get(job.id)
+        self._cell(row, DURATION).setText(clock(duration))
+        if duration is None and job.state in ("queued", "running"):
+            self.probe.ask(job.id, job.path)  # read from the header on a thread; the cell fills in when known
         self._cell(row, MODEL).setText(job.model)
         self._cell(row, STATE).setText(state)
         done, total = job.windows_done, job.windows_total or 0
         if live is not None and live.total:
             done, total = live.done, live.total
         percent = 100 if job.state == "done" else (int(100 * done / total) if total else 0)
-        self._cell(row, PROGRESS).setData(PROGRESS_ROLE, percent)
+        self._set_progress(row, percent, done, total, live is not None)
         message = job.error or ""
+        if job.state in ("done", "failed", "cancelled", "queued"):
+            self.window_texts.pop(job.id, None)  # ended (or queued again): the stored outcome says it all
+        elif self.window_texts.get(job.id):
+            message = " ".join(t for _, t in sorted(self.window_texts[job.id].items()) if t)
         if job.state == "done" and job.result:
             stats = job.result.get("stats") or {}
             message = f"{len(job.result.get('text', '').split())} words"
@@ -200,18 +214,45 @@ class QueueView(QWidget):
             self._cell(row, TIMES).setText("")
             self._cell(row, SLOTS).setText("")
 
+    def _set_progress(self, row: int, percent: int, done: int, total: int, in_flight: bool) -> None:
+        item = self._cell(row, PROGRESS)
+        item.setData(PROGRESS_ROLE, percent)
+        item.setData(PROGRESS_TEXT_ROLE, f"{percent}% ({done}/{total})" if in_flight and total > 1 else None)
+
+    def progress_of(self, job_id: int) -> tuple[int, str]:
+        """The bar's percentage and its text, as drawn."""
+        item = self._cell(self.rows[job_id], PROGRESS)
+        percent = item.data(PROGRESS_ROLE)
+        return percent, item.data(PROGRESS_TEXT_ROLE) or f"{percent}%"
+
     def _on_progress(self, job_id: int, done: int, total: int) -> None:
         row = self.rows.get(job_id)
         if row is None:
             return
-        self._cell(row, PROGRESS).setData(PROGRESS_ROLE, int(100 * done / total) if total else 0)
+        self._set_progress(row, int(100 * done / total) if total else 0, done, total, True)
         if self._cell(row, STATE).text() == "Waiting":
             self._cell(row, STATE).setText("Transcribing")
             self._summarize()
-            try:
-                self._cell(row, DURATION).setText(clock(self.bridge.jobs.get(job_id).duration))
-            except CadenceError:
-                pass
+        live = self.bridge.live_jobs.get(job_id)
+        if live is not None and live.duration is not None:  # the engine has read the file: its own figure
+            self._cell(row, DURATION).setText(clock(live.duration))
+
+    def _on_text(self, job_id: int, index: int, text: str) -> None:
+        """One more 30-s window finished: the row shows the text so far (the whole of it in the tooltip)."""
+        texts = self.window_texts.setdefault(job_id, {})
+        texts[index] = text
+        row = self.rows.get(job_id)
+        if row is not None and self._cell(row, STATE).text() not in ("Done", "Failed", "Cancelled"):
+            joined = " ".join(t for _, t in sorted(texts.items()) if t)
+            item = self._cell(row, MESSAGE)
+            item.setText(joined)
+            item.setToolTip(joined)
+
+    def _on_duration(self, job_id: int, seconds: float) -> None:
+        self.probed[job_id] = seconds
+        row = self.rows.get(job_id)
+        if row is not None and not self._cell(row, DURATION).text():
+            self._cell(row, DURATION).setText(clock(seconds))
 
     def _tick(self) -> None:
         """Elapsed time, ETA and slots of the jobs in flight (no store reads)."""
@@ -229,6 +270,7 @@ class QueueView(QWidget):
                 text += f" / {clock(elapsed / live.done * (live.total - live.done))}"
             self._cell(row, TIMES).setText(text)
             self._cell(row, SLOTS).setText(",".join(self.bridge.slots_of(live.handle.id)))
+        self._summarize()  # counts by state stay right however the row changes reached the window
 
     def _summarize(self) -> None:
         """Counts by state, from the rows themselves (no store query per change)."""
@@ -269,7 +311,7 @@ class QueueView(QWidget):
         self.cancel_button.setEnabled(bool(states & {"queued", "running"}))
         self.retry_button.setEnabled(bool(states & {"failed", "cancelled"}))
         self.remove_button.setEnabled(bool(chosen))
-        self.open_button.setEnabled(states == {"done"} and len(chosen) == 1)
+        self.open_button.setEnabled(len(chosen) == 1 and (states == {"done"} or chosen[0] in self.bridge.live_jobs))
         self.folder_button.setEnabled(len(chosen) == 1)
 
     def _open_row(self, row: int) -> None:

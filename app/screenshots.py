@@ -33,7 +33,7 @@ def speak(folder: Path) -> list[Path]:
         raw.unlink()
         out.append(path)
     long = folder / "meeting.wav"
-    subprocess.run(["sox", *[str(p) for p in out], *[str(p) for p in out], str(long)], check=True)
+    subprocess.run(["sox", *[str(p) for p in out * 4], str(long)], check=True)  # about 1:45: four 30-s windows
     return [*out, long]
 
 
@@ -75,15 +75,19 @@ def main(argv: list[str]) -> int:
     pump(0.5)
     files = speak(home)
     try:
-        # Transcribe: a batch dropped on the queue, one file already open in the viewer.
+        # Transcribe: a batch dropped on the queue; a long file mid-way, open in the viewer, its finished
+        # windows' text already there while the others decode.
         window.bridge.add_paths(files[:3])
         pump(until=lambda: not window.bridge.transcribing)
-        first = window.bridge.jobs.list()[0].id
-        window.open_transcript(first)
-        window.bridge.add_paths([files[3], home / "missing-recording.wav"])
-        pump(0.8)
-        window.queue.select_job(first)
-        window.transcript.search.setText("report")
+        [meeting, _] = window.bridge.add_paths([files[3], home / "missing-recording.wav"])
+
+        def part_done() -> bool:
+            live = window.bridge.live_jobs.get(meeting)
+            return live is not None and 0 < live.done < live.total and any(live.texts.values())
+
+        pump(until=part_done, limit=120)
+        window.open_transcript(meeting)
+        window.queue.select_job(meeting)
         shot("transcribe")
         pump(until=lambda: not window.bridge.transcribing)
 

@@ -1,4 +1,9 @@
-"""One finished transcript: timed segments, search, play from a segment, copy, export, chat about it."""
+"""One transcript: timed segments, search, play from a segment, copy, export, chat about it.
+
+A file still being transcribed can be opened too: its finished 30-s windows appear one by one as
+the engine reports them (each window's text, timed by the window), and the finished transcript
+replaces them when the file is done.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from app.bridge import EngineBridge
 from app.player import Player
 from app.transcripts import clock, export_transcript
 
+WINDOW_SECONDS = 30  # Whisper decodes a recording in windows of this length, from its start
 EXPORT_FILTERS = "Plain text (*.txt);;SubRip subtitles (*.srt);;WebVTT subtitles (*.vtt);;JSON (*.json)"
 
 
@@ -39,6 +45,9 @@ class TranscriptView(QWidget):
         self.bridge = bridge
         self.job_id: int | None = None
         self.result: dict | None = None
+        self.live_job: int | None = None  # a job in flight shown as its windows finish (no final result yet)
+        self.live_texts: dict[int, str] = {}  # its windows' text so far, by window index
+        self.live_progress = (0, 0)  # its windows done, of all
         self.player = Player()
 
         self.title = QLabel("Double-click a finished file in the queue to read its transcript here.")
@@ -82,6 +91,9 @@ class TranscriptView(QWidget):
         layout.addLayout(buttons)
         layout.addWidget(self.note)
         self._enable(False)
+        bridge.job_text.connect(self._on_window_text)
+        bridge.job_progress.connect(self._on_progress)
+        bridge.job_changed.connect(self._on_job_changed)
 
     def _enable(self, on: bool) -> None:
         for w in (self.search, self.copy_button, self.export_button, self.chat_button):
@@ -95,9 +107,13 @@ class TranscriptView(QWidget):
             self.note.setText(str(exc))
             return False
         if job.state != "done" or not job.result:
+            if job_id in self.bridge.live_jobs:
+                self._show_partial(job_id)
+                return True
             self.note.setText(f"{Path(job.path).name} has no transcript yet ({job.state}"
                               + (f": {job.error}" if job.error else "") + ").")
             return False
+        self.live_job = None
         self.job_id, self.result = job_id, job.result
         r = job.result
         self.title.setText(f"<b>{Path(job.path).name}</b> — {clock(r.get('duration'))}, language "
@@ -114,6 +130,68 @@ class TranscriptView(QWidget):
         self.search.clear()
         self._enable(True)
         return True
+
+    # ------------------------------------------------------------------ a file still being transcribed
+    def _show_partial(self, job_id: int) -> None:
+        """The windows of a job in flight finished so far, each timed by its 30-s window."""
+        live = self.bridge.live_jobs.get(job_id)
+        first = self.live_job != job_id
+        if first:
+            if live is None:
+                return
+            self.live_texts = dict(live.texts)
+            self.live_progress = (live.done, live.total)
+            self.live_name, self.live_duration = live.name, live.duration
+            self.search.clear()
+            self.note.setText("Click a line to play the recording from there.")
+        elif live is not None and live.duration is not None:
+            self.live_duration = live.duration
+        self.live_job, self.job_id, self.result = job_id, job_id, None
+        duration = self.live_duration
+        done, total = self.live_progress
+        progress = f"{done} of {total} windows" if total else "waiting for the engine"
+        self.title.setText(f"<b>{self.live_name}</b> — transcribing ({progress}"
+                           + (f", {clock(duration)}" if duration else "") + "); the text fills in as each 30-s window"
+                           " is decoded.")
+        rows = [(i, t) for i, t in sorted(self.live_texts.items()) if t]
+        self.table.setRowCount(len(rows))
+        for r, (index, text) in enumerate(rows):
+            start = index * WINDOW_SECONDS
+            end = start + WINDOW_SECONDS if duration is None else min(start + WINDOW_SECONDS, duration)
+            for j, value in enumerate((clock(start), clock(end), text)):
+                item = QTableWidgetItem(value)
+                item.setData(Qt.UserRole, float(start))
+                self.table.setItem(r, j, item)
+        self.table.resizeRowsToContents()
+        self._apply_search(self.search.text())
+        self._enable(False)
+        self.search.setEnabled(True)
+
+    def _on_window_text(self, job_id: int, index: int, text: str) -> None:
+        if job_id == self.live_job:
+            self.live_texts[index] = text
+            self._show_partial(job_id)
+
+    def _on_progress(self, job_id: int, done: int, total: int) -> None:
+        if job_id == self.live_job:
+            self.live_progress = (done, total)
+            self._show_partial(job_id)
+
+    def _on_job_changed(self, job_id: int) -> None:
+        """The file shown live has ended: its finished transcript (or why there is none) replaces the windows."""
+        if job_id != self.live_job or job_id in self.bridge.live_jobs:
+            return
+        self.live_job = None
+        if not self.show_job(job_id):
+            self.job_id = None
+            self.title.setText("Double-click a finished file in the queue to read its transcript here.")
+            self.table.setRowCount(0)
+            self._enable(False)
+
+    @property
+    def partial(self) -> bool:
+        """Showing a file still being transcribed."""
+        return self.live_job is not None
 
     # ------------------------------------------------------------------ search
     def _apply_search(self, text: str) -> None:

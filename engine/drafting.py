@@ -15,6 +15,8 @@ Drafters here:
 - :class:`MTPDrafter` chains a small trained head on the model's own last hidden state
   (engine/mtp.py; heads in resources/mtp/).
 - :class:`DraftModelDrafter` runs a smaller chat model with the same tokenizer in its own slots.
+- :class:`LookupThenMTPDrafter` (``auto`` where a head is shipped): lookup where it finds a match,
+  else the head.
 Every drafter proposes deterministically, which the sampling rule (engine.sampling.check_draft)
 relies on to keep sampled output distributed exactly as without drafting.
 """
@@ -165,6 +167,25 @@ class MTPDrafter(Drafter):
         return drafts
 
 
+class LookupThenMTPDrafter(Drafter):
+    """What ``auto`` uses where a head exists: the context's own continuation when the n-gram lookup
+    finds one (a quote, a list being repeated: often long and right), else the MTP head."""
+
+    name = "ngram+mtp"
+    needs_hidden = True
+
+    def __init__(self, lookup: NgramDrafter, mtp: MTPDrafter):
+        self.lookup, self.mtp = lookup, mtp
+
+    def propose(self, seqs, depths):
+        drafts = self.lookup.propose(seqs, depths)
+        rest = [i for i, d in enumerate(drafts) if not d]
+        if rest:
+            for i, d in zip(rest, self.mtp.propose([seqs[i] for i in rest], [depths[i] for i in rest])):
+                drafts[i] = d
+        return drafts
+
+
 class DraftModelDrafter(Drafter):
     """A smaller model with the same tokenizer, decoding greedily in slots of its own."""
 
@@ -224,7 +245,8 @@ def build_drafter(choice: str, model: str, loaded, decoder, device, width: int, 
         head = load_head(model) if load_head is not None else None
         if head is not None:
             embed, lm_head = decoder.output_embeddings()
-            return MTPDrafter(head.bind(embed, lm_head), min_p=min_p), "on"
+            mtp = MTPDrafter(head.bind(embed, lm_head), min_p=min_p)
+            return (mtp if choice == "mtp" else LookupThenMTPDrafter(NgramDrafter(), mtp)), "on"
         if choice == "mtp":
             return None, f"off: no MTP head for {model} (train one with `cadence train-mtp --model {model}`)"
         return NgramDrafter(), "on"

@@ -44,3 +44,20 @@ def test_engine_has_no_qt_import():
         "assert not any(k.startswith(('PySide6', 'PyQt')) for k in sys.modules), 'Qt imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_help_and_a_scripted_check_start_that_transcribes_offline(speech, tmp_path):
+    """What `dist/cadence/cadence-gui --check FILE` runs in a packaged build: open, list models, transcribe, quit."""
+    import os
+
+    shown = subprocess.run([sys.executable, "-m", "app.main", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert shown.returncode == 0 and shown.stdout.startswith("usage: cadence-gui") and "--check" in shown.stdout
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "CADENCE_DATA_DIR": str(tmp_path / "data"),
+           "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-m", "app.main", "--check", str(speech["fox"])], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "whisper-tiny.en" in run.stdout.splitlines()[0] and "lazy dog" in run.stdout.lower()
+    missing = subprocess.run([sys.executable, "-m", "app.main", "--check", str(tmp_path / "gone.wav")], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 1 and "gone.wav does not exist" in missing.stdout

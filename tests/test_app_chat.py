@@ -33,6 +33,13 @@ def test_two_chats_stream_at_once_with_stop_regenerate_edit(qtbot, app_home):  #
         assert answer.role == "assistant" and answer.state == "complete" and answer.content.strip()
         assert answer.stats["decode_tok_s"] > 0
     chats.open(first)
+    # The list's selection follows the open conversation (opened here from code, not by a click) ...
+    assert chats.list.currentItem().data(0x0100) == first and chats.list.currentItem().isSelected()
+    assert [i.data(0x0100) for i in chats.list.selectedItems()] == [first]
+    chats.list.setCurrentRow([chats.list.item(i).data(0x0100) for i in range(chats.list.count())].index(second))
+    assert chats.current == second  # ... and a click in the list opens that conversation
+    chats.open(first)
+    assert [i.data(0x0100) for i in chats.list.selectedItems()] == [first]
     shown = chats.rendered_text()
     assert "Paris" in shown and "tok/s" in shown and "writing" not in shown
     assert [chats.list.item(i).text().startswith("●") for i in range(chats.list.count())] == [False, False]
@@ -118,3 +125,10 @@ def test_event_loop_never_blocks_while_8_slots_decode_and_the_panel_draws_them(q
     panel = window.engine_panel
     assert panel.samples > 4 and panel.time_points() > 4
     assert len(panel.slot_bar_heights()) == 8
+    # The width was set by hand (8), drafting is on by default: the engine still reports the measured
+    # curve, and the panel draws it with the calibrated choice in red and the width in use marked.
+    calibration = window.bridge.last_status["lanes"]["smollm2-135m-instruct"]["calibration"]
+    assert calibration is not None and calibration["widths"]
+    drawn = panel.calibration_drawn
+    assert drawn["widths"] == calibration["widths"] and drawn["chosen"] == [calibration["chosen"]]
+    assert drawn["in_use"] == 8 and drawn["note"] == ""

@@ -9,7 +9,8 @@ import shutil
 
 from app_support import app_home, drop_files, open_window, row_texts, wait_jobs_settled  # noqa: F401
 
-from app.queue_view import FILE, MESSAGE, PROGRESS, PROGRESS_ROLE, STATE
+from app.queue_view import DURATION, FILE, MESSAGE, PROGRESS, PROGRESS_ROLE, STATE
+from app.transcripts import clock
 
 
 def _row_of(window, name: str) -> list[str]:
@@ -141,3 +142,64 @@ def test_a_large_batch_is_queued_off_the_window_thread_and_fed_a_few_at_a_time(q
     assert len(jobs) == 10 and all(j.state == "done" for j in jobs)
     assert [j.path.rsplit("/", 1)[-1] for j in jobs] == [f"clip{i:02d}.wav" for i in range(10)]
     assert window.queue.summary.text() == "10 files: 10 done"
+
+
+def test_a_file_being_transcribed_shows_each_window_as_it_finishes(qtbot, app_home, speech):  # noqa: F811
+    window = open_window(qtbot, app_home())
+    view, queue = window.transcript, window.queue
+    seen = []  # at each window's arrival: (index, its text, the row's message, the viewer's lines, the bar)
+
+    def on_text(job_id, index, text):  # connected after the queue and the viewer: they have drawn it already
+        row = row_texts(queue.table)[queue.rows[job_id]]
+        lines = [view.table.item(r, 2).text() for r in range(view.table.rowCount())]
+        seen.append((index, text, row[MESSAGE], lines, queue.progress_of(job_id)))
+
+    [job_id] = window.bridge.add_paths([speech["long"]])  # about 45 s: two 30-s windows
+    window.bridge.job_text.connect(on_text)
+    queue.select_job(job_id)
+    assert queue.open_button.isEnabled()  # a file in flight can be opened too ...
+    queue.open_button.click()  # ... and the viewer follows it live
+    assert view.partial and view.job_id == job_id and view.table.rowCount() == 0
+    assert "transcribing" in view.title.text() and not view.export_button.isEnabled()
+    wait_jobs_settled(qtbot, window)
+
+    assert sorted(index for index, *_ in seen) == [0, 1] and all(text for _, text, *_ in seen)
+    first_index, first_text, first_message, first_lines, first_bar = seen[0]
+    assert first_message == first_text and first_lines == [first_text]  # the row and the viewer, before the file ended
+    assert first_bar == (50, "50% (1/2)")  # the bar moved with the first window, not only at the end
+    by_index = dict((index, text) for index, text, *_ in seen)
+    assert seen[1][2] == f"{by_index[0]} {by_index[1]}" and seen[1][3] == [by_index[0], by_index[1]]  # in time order
+    job = window.bridge.jobs.get(job_id)
+    assert job.state == "done" and job.result["text"] == f"{by_index[0]} {by_index[1]}"
+    # The finished transcript replaced the live lines in the viewer; the row shows the finished figures.
+    assert not view.partial and view.result == job.result and view.export_button.isEnabled()
+    assert [view.table.item(r, 2).text() for r in range(view.table.rowCount())] == [by_index[0], by_index[1]]
+    assert view.table.item(1, 0).text() == "0:30"
+    assert _row_of(window, "long.wav")[MESSAGE].endswith("real time") and queue.progress_of(job_id) == (100, "100%")
+
+
+def test_files_still_waiting_show_their_duration_read_from_the_header(qtbot, app_home, speech, tmp_path,  # noqa: F811
+                                                                       monkeypatch):
+    import av
+    import numpy as np
+
+    import app.bridge
+    from engine.audio import load_audio
+
+    monkeypatch.setattr(app.bridge, "MAX_JOBS_IN_ENGINE", 0)  # nothing reaches the engine: every file waits
+    samples = load_audio(speech["long"])
+    m4a = tmp_path / "long.m4a"  # AAC in MP4: not a libsndfile format, so its length comes from PyAV
+    with av.open(str(m4a), "w") as out:
+        stream = out.add_stream("aac", rate=16000)
+        frame = av.AudioFrame.from_ndarray(samples[None].astype(np.float32), format="flt", layout="mono")
+        frame.sample_rate = 16000
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            out.mux(packet)
+    window = open_window(qtbot, app_home())
+    ids = window.bridge.add_paths([speech["long"], m4a, tmp_path / "gone.wav"])
+    expected = clock(samples.size / 16000)
+    qtbot.waitUntil(lambda: [r[DURATION] for r in row_texts(window.queue.table)][:2] == [expected, expected],
+                    timeout=10000)
+    assert [window.bridge.jobs.get(i).duration for i in ids[:2]] == [None, None]  # not decoded: read from headers
+    assert [r[STATE] for r in row_texts(window.queue.table)][:2] == ["Queued", "Queued"]
+    assert window.bridge.jobs.get(ids[2]).state == "queued" and row_texts(window.queue.table)[2][DURATION] == ""

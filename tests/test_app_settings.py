@@ -38,6 +38,11 @@ def test_settings_persist_and_apply_without_restart(qtbot, app_home, speech, tmp
     assert (out / "fox.vtt").read_text().startswith("WEBVTT") and (out / "fox.txt").exists()
     assert not (out / "fox.srt").exists()
     assert window.bridge.engine.status()["lanes"]["whisper-tiny.en"]["width"] == 1
+    # Batching and drafting off: nothing was measured, and the engine panel says so instead of a curve.
+    assert window.bridge.engine.status()["lanes"]["whisper-tiny.en"]["calibration"] is None
+    qtbot.waitUntil(lambda: window.engine_panel.lane_name == "whisper-tiny.en"
+                    and window.engine_panel.calibration_drawn["note"].startswith("Not measured"), timeout=5000)
+    assert window.engine_panel.calibration_drawn["widths"] == [] and window.engine_panel.calibration_drawn["in_use"] is None
 
     # Busy engine: the change waits for the current work, then applies by itself.
     conversation_id = window.chats.new_chat()

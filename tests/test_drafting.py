@@ -49,9 +49,9 @@ def reference_answers(chat_ref):
     return out
 
 
-@pytest.fixture(scope="module", params=["ngram", "draft:smollm2-135m-instruct", "mtp"])
+@pytest.fixture(scope="module", params=["ngram", "draft:smollm2-135m-instruct", "mtp", "auto"])
 def drafting_engine(request):
-    if request.param == "mtp":
+    if request.param in ("mtp", "auto"):  # auto: lookup where it matches, else the shipped head
         from engine.mtp import head_path
 
         assert head_path("smollm2-135m-instruct").exists(), "the shipped MTP head for smollm2 is missing"
@@ -107,9 +107,7 @@ def test_greedy_whisper_with_drafting_equals_the_reference(tiny, speech):
                 assert [s.tokens for s in got.segments] == [s.tokens for s in want.segments], (drafter, batch, name)
             lane = eng.status()["lanes"]["whisper-tiny.en"]["drafting"]
             assert lane["state"] == "on", lane
-            assert lane["drafted"] > 0, (drafter, lane)
-            if drafter == "mtp":
-                assert lane["acceptance"] > 0.5, lane
+            assert lane["drafted"] > 0, (drafter, lane)  # (the heads' own quality is tests/test_mtp.py's)
         finally:
             eng.shutdown()
 
