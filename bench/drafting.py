@@ -2,9 +2,10 @@
 
 Chat: the held-out prompts of the MTP prompt set (engine.mtp_prompts.HELD_OUT_PROMPTS), greedy and
 temperature 0.7 (seeded), at widths 1 and 4 / 8; chat about a transcript (questions whose answers
-quote it), at widths 1 and 4. Whisper: espeak-ng speech of the held-out texts,
-greedy, at widths 1 and 4. For every (model, width) the drafters run one after another in the same
-process, each on a fresh engine after one warm-up request, so the ratios compare like with like.
+quote it), at widths 1 and 4. Whisper: espeak-ng speech of the held-out texts and of the
+transcription benchmark's sentences, greedy, at widths 1 and 4. For every (model, width) the
+drafters run one after another in the same process, each on a fresh engine after one warm-up
+request, so the ratios compare like with like.
 
 Reported per run: tokens, wall seconds, aggregate tok/s, speed-up over no drafting, drafted
 tokens, acceptance rate, mean acceptance length (1 + accepted / verifying steps), and whether
@@ -47,7 +48,7 @@ def _drafting(result) -> dict:
     return result["stats"]["drafting"] if isinstance(result, dict) else result.stats["drafting"]
 
 
-def measure(model: str, width: int, drafters: list[str], requests_for, warmup) -> list[dict]:
+def measure(model: str, width: int, drafters: list[str], requests_for, warmup, sampling: str = "greedy") -> list[dict]:
     """One row per drafter: the same requests on a fresh engine each."""
     from engine.engine import Engine
 
@@ -64,7 +65,7 @@ def measure(model: str, width: int, drafters: list[str], requests_for, warmup) -
         n = sum(len(t) for t in tokens)
         drafted = sum(_drafting(r)["drafted"] for r in results)
         accepted = sum(_drafting(r)["accepted"] for r in results)
-        row = {"model": model, "width": width, "drafter": drafter, "state": lane["state"], "tokens": n,
+        row = {"model": model, "width": width, "sampling": sampling, "drafter": drafter, "state": lane["state"], "tokens": n,
                "seconds": round(seconds, 3), "tok_s": round(n / seconds, 1), "drafted": drafted, "accepted": accepted,
                "acceptance": round(accepted / drafted, 3) if drafted else None,
                "mean_acceptance_length": lane["mean_acceptance_length"],
@@ -106,9 +107,8 @@ def chat_rows(widths, drafters, prompts: int, max_tokens: int) -> list[dict]:
                 return [ChatRequest(p, params=SamplingParams(max_tokens=max_tokens, temperature=t,
                                                              seed=i if t else None))
                         for i, p in enumerate(held)]
-            for r in measure(DEFAULT_CHAT, width, drafters, requests, warmup):
-                r["sampling"] = "greedy" if temperature == 0 else f"t={temperature}"
-                rows.append(r)
+            rows += measure(DEFAULT_CHAT, width, drafters, requests, warmup,
+                            "greedy" if temperature == 0 else f"t={temperature}")
     return rows
 
 
@@ -140,14 +140,12 @@ def transcript_rows(widths, drafters, max_tokens: int) -> list[dict]:
         def requests():
             return [DocumentChatRequest(q, params=SamplingParams(max_tokens=max_tokens), parts=parts, system_for=system_for)
                     for q in QUESTIONS]
-        for r in measure(DEFAULT_CHAT, width, drafters, requests, warmup):
-            r["sampling"] = "greedy, transcript"
-            rows.append(r)
+        rows += measure(DEFAULT_CHAT, width, drafters, requests, warmup, "greedy, transcript")
     return rows
 
 
 def whisper_rows(models, widths, drafters, work: Path) -> list[dict]:
-    from bench.transcription import speak
+    from bench.transcription import batch_durations, make_clips, speak
     from engine.audio import load_audio
     from engine.engine import TranscribeRequest
     from engine.mtp_prompts import texts_for_speech
@@ -155,6 +153,8 @@ def whisper_rows(models, widths, drafters, work: Path) -> list[dict]:
     voices = [("en-us+f3", 130), ("en-us+m3", 150), ("en-gb+f2", 140), ("en-us+m7", 160)]
     clips = [load_audio(speak(text, work / f"held{i}.wav", *voices[i % len(voices)]))
              for i, text in enumerate(texts_for_speech(held_out=True))]
+    # and the transcription benchmark's sentences (never seen in training), 15 to 60 s per clip
+    clips += [load_audio(c.path) for c in make_clips(work, batch_durations(6, 15.0, 60.0, seed=9), seed=3, prefix="b")]
     print(f"Whisper speech: {len(clips)} held-out clips, {sum(len(c) for c in clips) / 16000:.0f} s", flush=True)
     rows = []
     for model in models:

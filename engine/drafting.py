@@ -36,6 +36,7 @@ DRAFTER_CHOICES = ("auto", "mtp", "ngram", "draft:MODEL", "off")
 MAX_DEPTH = 8  # draft tokens per slot and step, at most
 PRIOR_ACCEPTANCE = 0.5  # a new slot's guess of its acceptance at each draft position
 EMA = 0.25  # weight of the newest observation in the acceptance and cost averages
+RELAX = 0.05  # per step without drafts, a slot's acceptance moves this share back toward the lane's
 
 
 def parse_drafter(value) -> str:
@@ -332,6 +333,14 @@ class DepthPlanner:
             depths, best, tokens, rows = trial, rate, tokens + gain, rows + 1
             reach[i] = gain
         return depths
+
+
+def relax_acceptance(ema: list[float], prior: list[float]) -> None:
+    """A slot that is not drafting learns nothing new about its drafts; let its averages drift back
+    toward the lane's record, so it tries again now and then instead of never drafting after a bad
+    patch (a quote or a list may start later in the answer)."""
+    for i, p in enumerate(prior):
+        ema[i] += RELAX * (p - ema[i])
 
 
 def update_acceptance(ema: list[float], drafted: int, accepted: int) -> None:

@@ -19,7 +19,16 @@ from typing import Callable, Iterator
 
 import torch
 
-from engine.drafting import MAX_DEPTH, PRIOR_ACCEPTANCE, DepthPlanner, DraftCounts, Drafter, timed, update_acceptance
+from engine.drafting import (
+    MAX_DEPTH,
+    PRIOR_ACCEPTANCE,
+    DepthPlanner,
+    DraftCounts,
+    Drafter,
+    relax_acceptance,
+    timed,
+    update_acceptance,
+)
 from engine.errors import record_fault
 from engine.sampling import SamplingParams, TokenPicker
 from engine.seam import BatchedDecoder, StepBatch
@@ -258,6 +267,11 @@ class Lane:
             return {}, 0.0, 0
         depths = self.planner.plan(candidates, base_rows, room)
         chosen = [(s, d) for s, d in zip(candidates, depths) if d > 0]
+        if len(chosen) < len(candidates):
+            prior = self._acceptance_prior()
+            for s, d in zip(candidates, depths):
+                if d == 0:
+                    relax_acceptance(s.accept_ema, prior)
         if not chosen:
             return {}, 0.0, 0
         try:

@@ -363,3 +363,19 @@ def test_cli_drafter_flag_reports_acceptance_and_rejects_unknown_drafters(tmp_pa
     assert bad.stderr.strip() == ("cadence: Unknown drafter 'medusa9': use one of auto, mtp, ngram, draft:MODEL, off.")
     bad = cadence("transcribe", "x.wav", "--draft-min-p", "2", check_rc=2, data_dir=tmp_path)
     assert "draft min-p must be at least 0 and below 1" in bad.stderr
+
+
+def test_a_slot_that_stopped_drafting_tries_again_later():
+    from engine.drafting import relax_acceptance
+
+    ema = [0.0] * 8
+    prior = [0.6] * 8
+    cost = StepCost([1, 2, 4, 8], [10, 10.2, 10.4, 11])
+    planner = DepthPlanner(cost, NgramDrafter())
+    assert planner.plan([_Seq(ema)], 1, [4]) == [0]
+    steps = 0
+    while planner.plan([_Seq(ema)], 1, [4]) == [0]:
+        relax_acceptance(ema, prior)
+        steps += 1
+        assert steps < 100, "a slot with a bad patch must draft again within a few dozen steps"
+    assert steps >= 1
