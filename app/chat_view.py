@@ -205,29 +205,30 @@ class ChatView(QWidget):
                 item.setText(self._list_label(conversation_id, title))
 
     # ------------------------------------------------------------------ opening and drawing
-    def new_chat(self, model: str | None = None) -> int | None:
+    def _open_created(self, create) -> int | None:
+        """Create a conversation with ``create()`` and open it; a refusal shows its sentence."""
         try:
-            conversation_id = self.bridge.conversations.create(model or self.bridge.settings.chat_model)
+            conversation_id = create()
         except CadenceError as exc:
             self.error.setText(str(exc))
             return None
         self.current = conversation_id
         self.reload_list()
         self.open(conversation_id)
-        self.input.setFocus()
+        return conversation_id
+
+    def new_chat(self, model: str | None = None) -> int | None:
+        conversation_id = self._open_created(
+            lambda: self.bridge.conversations.create(model or self.bridge.settings.chat_model))
+        if conversation_id is not None:
+            self.input.setFocus()
         return conversation_id
 
     def chat_about_job(self, job_id: int) -> int | None:
-        try:
-            conversation_id, _ = self.bridge.conversations.create_about_transcript(
-                job_id, model=self.bridge.settings.chat_model)
-        except CadenceError as exc:
-            self.error.setText(str(exc))
-            return None
-        self.current = conversation_id
-        self.reload_list()
-        self.open(conversation_id)
-        self.input.setPlainText("Summarize this recording in three sentences.")
+        conversation_id = self._open_created(lambda: self.bridge.conversations.create_about_transcript(
+            job_id, model=self.bridge.settings.chat_model)[0])
+        if conversation_id is not None:
+            self.input.setPlainText("Summarize this recording in three sentences.")
         return conversation_id
 
     def open(self, conversation_id: int) -> None:
