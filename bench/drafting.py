@@ -13,7 +13,7 @@ every answer's tokens equal the run without drafting (they must, near-ties aside
 answers too, since a sampled token is drawn once per position whether or not a draft was made).
 
     .venv/bin/python bench/drafting.py                     # everything (~10 min on 2 cores)
-    .venv/bin/python bench/drafting.py --only chat --widths 1 --drafters off,mtp
+    .venv/bin/python bench/drafting.py --only chat --widths 1 --drafters off,mtp,mtp@0.3,mtp@0.5
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def measure(model: str, width: int, drafters: list[str], requests_for, warmup, s
 
     rows, baseline = [], None
     for drafter in drafters:
-        engine = Engine(backend="cpu", batch=width, drafter=drafter)
+        name, _, min_p = drafter.partition("@")  # "mtp@0.5": the MTP drafter with --draft-min-p 0.5
+        engine = Engine(backend="cpu", batch=width, drafter=name, draft_min_p=float(min_p or 0))
         try:
             engine.submit(warmup).result(600)  # load, calibrate, warm the kernels
             seconds, results = _run(engine, requests_for())
@@ -171,7 +172,8 @@ def main() -> None:
     parser.add_argument("--only", choices=("chat", "transcript", "whisper"), default=None)
     parser.add_argument("--widths", default="1,4,8", help="chat widths (Whisper: 1 and 4 unless --whisper-widths)")
     parser.add_argument("--whisper-widths", default="1,4")
-    parser.add_argument("--drafters", default="off,ngram,mtp", help="the first is the baseline")
+    parser.add_argument("--drafters", default="off,ngram,mtp,auto",
+                        help="the first is the baseline; NAME@P runs NAME with --draft-min-p P (e.g. mtp@0.5)")
     parser.add_argument("--models", default="whisper-tiny.en,whisper-base")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
