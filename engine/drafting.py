@@ -23,7 +23,6 @@ relies on to keep sampled output distributed exactly as without drafting.
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -81,10 +80,13 @@ class DraftCounts:
             self.drafted_at[i] += other.drafted_at[i]
             self.accepted_at[i] += other.accepted_at[i]
 
+    @property
+    def acceptance(self) -> float | None:
+        return round(self.accepted / self.drafted, 4) if self.drafted else None
+
     def to_json(self) -> dict:
         positions = [round(a / d, 3) for a, d in zip(self.accepted_at, self.drafted_at) if d]
-        return {"drafted": self.drafted, "accepted": self.accepted,
-                "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None,
+        return {"drafted": self.drafted, "accepted": self.accepted, "acceptance": self.acceptance,
                 # tokens per verifying step: its own token plus the accepted drafts
                 "mean_acceptance_length": round(1 + self.accepted / self.verifications, 3) if self.verifications else None,
                 "acceptance_by_position": positions, "depth": self.last_depth}
@@ -115,10 +117,9 @@ class NgramDrafter(Drafter):
     def __init__(self, max_n: int = 4, min_n: int = 2):
         self.max_n, self.min_n = max_n, min_n
 
-    def _index(self, seq) -> dict:
+    def _index(self, seq, context: list[int]) -> dict:
         """Per sequence: n-gram -> the position after its latest occurrence, kept up to date incrementally."""
         state = seq.draft_state.setdefault("ngram", {"index": {}, "upto": 0})
-        context = seq.prompt + seq.tokens
         index, start = state["index"], state["upto"]
         # Entries for n-grams ending before the last token: lookups then always find an *earlier* occurrence.
         for end in range(max(start, 1), len(context)):
@@ -132,7 +133,7 @@ class NgramDrafter(Drafter):
         drafts = []
         for seq, depth in zip(seqs, depths):
             context = seq.prompt + seq.tokens
-            index = self._index(seq)
+            index = self._index(seq, context)
             draft: list[int] = []
             for n in range(self.max_n, self.min_n - 1, -1):
                 if len(context) > n and (end := index.get(tuple(context[-n:]))) is not None:
@@ -200,7 +201,7 @@ class DraftModelDrafter(Drafter):
         context = [s.prompt + s.tokens for s in seqs]
         # Each sequence's cache in the draft model holds its context up to `fed`; drafts past the
         # context are overwritten next time, so rejected ones cost nothing to undo.
-        fed = [s.draft_state.get("draft_fed", 0) if s.draft_state.get("draft_slot") == s.slot else 0 for s in seqs]
+        fed = [s.draft_state.get("draft_fed", 0) for s in seqs]
         rows = [c[f:] for c, f in zip(context, fed)]
         drafts: list[list[int]] = [[] for _ in seqs]
         live = list(range(len(seqs)))
@@ -221,7 +222,6 @@ class DraftModelDrafter(Drafter):
                 break
         for s, c in zip(seqs, context):
             s.draft_state["draft_fed"] = len(c)  # the context is cached; the drafts after it are not trusted
-            s.draft_state["draft_slot"] = s.slot
         return drafts
 
 
@@ -347,9 +347,3 @@ def update_acceptance(ema: list[float], drafted: int, accepted: int) -> None:
     """Move a slot's acceptance-by-position averages toward what this step showed."""
     for i in range(min(drafted, accepted + 1)):
         ema[i] += EMA * ((1.0 if i < accepted else 0.0) - ema[i])
-
-
-def timed(fn, *args):
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return out, (time.perf_counter() - t0) * 1000

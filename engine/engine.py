@@ -291,7 +291,7 @@ class Engine:
                                                   "tokens": len(s.tokens), "context": s.fed,
                                                   "preparing": s.preparing is not None, "tok_s": _recent_rate(s.stamps),
                                                   "drafted": s.draft_counts.drafted, "accepted": s.draft_counts.accepted,
-                                                  "acceptance": s.draft_counts.to_json()["acceptance"],
+                                                  "acceptance": s.draft_counts.acceptance,
                                                   "depth": s.draft_counts.last_depth}
                           for s in list(lane.slots)],
                 "waiting": len(lane.waiting),

@@ -26,7 +26,6 @@ from engine.drafting import (
     DraftCounts,
     Drafter,
     relax_acceptance,
-    timed,
     update_acceptance,
 )
 from engine.errors import record_fault
@@ -180,7 +179,7 @@ class Lane:
         self.on_step = on_step
         self.drafter = drafter
         self.planner = planner
-        self.drafting_state = drafting_state if drafter is not None or drafting_state != "on" else "off"
+        self.drafting_state = "off" if drafter is None and drafting_state == "on" else drafting_state
         self.draft_counts = DraftCounts()
 
     @property
@@ -274,12 +273,14 @@ class Lane:
                     relax_acceptance(s.accept_ema, prior)
         if not chosen:
             return {}, 0.0, 0
+        t0 = time.perf_counter()
         try:
-            proposals, ms = timed(self.drafter.propose, [s for s, _ in chosen], [d for _, d in chosen])
+            proposals = self.drafter.propose([s for s, _ in chosen], [d for _, d in chosen])
         except Exception as exc:  # a drafter never fails a request: drafting stops, decoding goes on
             self.drafting_off(f"the {self.drafter.name} drafter failed ({exc.__class__.__name__}: {exc}); "
                               f"details are in {record_fault(exc)}")
             return {}, 0.0, 0
+        ms = (time.perf_counter() - t0) * 1000
         drafts = {s.slot: [int(t) for t in p[:d]] for (s, d), p in zip(chosen, proposals) if len(p)}
         return drafts, ms, self.drafter.cost_levels(max(d for _, d in chosen))
 
