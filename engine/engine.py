@@ -333,10 +333,11 @@ class Engine:
             elif command == "cancel":
                 for seq in self._work.get(handle.id, []):
                     seq.cancelled = True
-            for lane in list(self._lanes.values()):
+            busy_lanes = [lane for lane in self._lanes.values() if lane.busy]
+            for lane in busy_lanes:
                 if lane.busy:
                     try:
-                        lane.step()
+                        lane.step(shared=len(busy_lanes) > 1)
                     except Exception as exc:  # a fault fails that lane's requests, not the engine
                         self._fail_lane(lane, exc)
 

@@ -109,8 +109,11 @@ def test_step_log_and_counters_agree_with_the_results(tmp_path):
 class _Decoder:
     """A stand-in decoder for the lane's bookkeeping test only (the real ones are tested elsewhere)."""
 
-    family, vocab_size, max_len, width = "test", 8, 64, 2
+    family, vocab_size, max_len = "test", 8, 64
     device = "cpu"
+
+    def __init__(self, width: int = 2):
+        self.width = width
 
     def forward(self, batch, logit_rows):
         import torch
@@ -120,7 +123,7 @@ class _Decoder:
         return logits
 
 
-def test_a_joining_sequence_prepares_one_piece_per_step_while_another_decodes():
+def test_a_joining_sequence_prepares_one_piece_per_step_while_another_lane_is_busy():
     pieces_done = []
 
     def prepare(seq, slot):  # six pieces of work: five before a pause, one after the last
@@ -137,11 +140,41 @@ def test_a_joining_sequence_prepares_one_piece_per_step_while_another_decodes():
     lane.add(joining)
     for step in range(6):
         before = len(running.tokens)
-        record = lane.step()
+        record = lane.step(shared=True)  # a chat on another lane is streaming
         assert len(running.tokens) == before + 1  # the running slot decoded in every step
         assert len(pieces_done) == step + 1  # and the newcomer advanced by exactly one piece
         assert record.preparing == (1 if step < 5 else 0)
         assert bool(joining.tokens) == (step == 5)  # it joins the forward pass once ready
+
+
+def test_a_lane_alone_prepares_every_joining_sequence_before_its_step(monkeypatch):
+    import engine.scheduler as scheduler
+
+    pieces: dict[int, int] = {}
+
+    def prepare(seq, slot):
+        for _ in range(5):
+            pieces[slot] = pieces.get(slot, 0) + 1
+            yield
+
+    lane = Lane(_Decoder(width=4), name="t")
+    running = Sequence([1, 2], 30, set())
+    lane.add(running)
+    lane.step()
+    joiners = [Sequence([1, 2], 5, set(), prepare=prepare) for _ in range(3)]
+    for seq in joiners:
+        lane.add(seq)
+    record = lane.step()  # nothing else on the engine: all three are encoded, then all four decode
+    assert sorted(pieces.values()) == [5, 5, 5] and record.preparing == 0
+    assert all(seq.tokens for seq in joiners) and record.slots == 4
+
+    monkeypatch.setattr(scheduler, "PREPARE_BUDGET_MS", 0.0)  # past the budget: the rest wait for the next step
+    lane = Lane(_Decoder(width=4), name="t")
+    pieces.clear()
+    for seq in [Sequence([1, 2], 5, set(), prepare=prepare) for _ in range(3)]:
+        lane.add(seq)
+    record = lane.step()
+    assert sorted(pieces.values()) == [5] and record.preparing == 2 and record.slots == 1
 
 
 def test_preparation_runs_to_readiness_when_nobody_is_decoding():
