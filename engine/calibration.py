@@ -4,8 +4,10 @@ On a model's first load with batching on ``auto``, time one decode step at width
 and on (32, 64, ... while a width still qualifies), as far as memory allows, each slot holding a typical
 history. Aggregate speed is width / step time; a slot's own speed is 1 / step time. The chosen
 width maximizes aggregate speed among the widths where each slot keeps at least half of its
-single-stream speed. The curve and the choice are cached per model file, device and PyTorch
-version, so later loads start at once.
+single-stream speed. Each width is also timed with one more row per slot (a draft being verified):
+what a draft row costs differs by family (Whisper's slots each read 1500 positions of encoder
+memory, which the slot's extra rows share), and the drafting planner prices rows with it. The curve
+and the choice are cached per model file, device and PyTorch version, so later loads start at once.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from engine.paths import cache_dir
 from engine.seam import BatchedDecoder, StepBatch
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # 2: each width also timed with 2 rows per slot
 WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 ALWAYS_MEASURED = 16  # widths up to this are always measured (memory permitting)
 HISTORY = 128  # cache positions each slot holds while its step is timed
@@ -38,6 +40,7 @@ class Calibration:
     device: str
     widths: list[int] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
+    verify_ms: list[float] = field(default_factory=list)  # the same widths with 2 rows per slot
     chosen: int = 1
     memory_limit_width: int = 0  # the widest lane the memory share allows at the model's full length
     seconds: float = 0.0  # how long measuring took
@@ -97,14 +100,16 @@ def choose_width(widths: list[int], step_ms: list[float], limit: int | None = No
     return best
 
 
-def time_step(decoder: BatchedDecoder, width: int) -> float:
-    """Median milliseconds of one decode step with ``width`` busy slots of HISTORY positions."""
-    decoder.allocate(width, HISTORY + WARMUP_STEPS + TIMED_STEPS + 1)
+def time_step(decoder: BatchedDecoder, width: int, rows_per_slot: int = 1) -> float:
+    """Median milliseconds of one decode step with ``width`` busy slots of HISTORY positions, each
+    with ``rows_per_slot`` new rows (more than one: a draft being verified)."""
+    decoder.allocate(width, HISTORY + (WARMUP_STEPS + TIMED_STEPS) * rows_per_slot + 1)
     slots = list(range(width))
-    every_row = torch.arange(width, device=decoder.device)
+    every_row = torch.arange(width * rows_per_slot, device=decoder.device)
     times = []
     for i in range(WARMUP_STEPS + TIMED_STEPS):
-        batch = StepBatch.build(slots, [[1]] * width, [HISTORY + i] * width, device=decoder.device)
+        batch = StepBatch.build(slots, [[1] * rows_per_slot] * width, [HISTORY + i * rows_per_slot] * width,
+                                device=decoder.device)
         if decoder.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -140,6 +145,7 @@ def calibrate(decoder: BatchedDecoder, model: str, model_key: str, use_cache: bo
                 break
             result.widths.append(width)
             result.step_ms.append(round(time_step(decoder, width), 3))
+            result.verify_ms.append(round(time_step(decoder, width, rows_per_slot=2), 3))
             if width >= ALWAYS_MEASURED and 1000 / result.step_ms[-1] < MIN_SLOT_SHARE * 1000 / result.step_ms[0]:
                 break  # slots are below half speed now; wider only gets slower per slot
     result.seconds = round(time.perf_counter() - t0, 2)

@@ -274,26 +274,39 @@ def build_drafter(choice: str, model: str, loaded, decoder, device, width: int, 
 
 # ------------------------------------------------------------------------------------------ depth
 class StepCost:
-    """Milliseconds of one step by rows in it: the calibration curve (widths of one row each),
-    interpolated, extended linearly past its end, and scaled by how the real steps compare."""
+    """Milliseconds of one step by its busy slots and rows, from the calibration curves: ``step_ms``
+    (one row per slot) interpolated over slots and extended linearly past its end, plus each row
+    beyond the slots' first at what ``verify_ms`` (two rows per slot) showed one costs at that width.
+    Scaled by how the real steps compare. Without ``verify_ms`` a row costs what a slot does."""
 
-    def __init__(self, rows: list[int], step_ms: list[float]):
-        self.rows, self.ms = list(rows), list(step_ms)
+    def __init__(self, widths: list[int], step_ms: list[float], verify_ms: list[float] | None = None):
+        self.widths, self.ms = list(widths), list(step_ms)
+        self.verify_ms = list(verify_ms) if verify_ms and len(verify_ms) == len(widths) else None
         self.scale = 1.0
         self.draft_ms = 0.0  # one sequential draft pass (the drafter's own cost per level)
 
-    def predict(self, rows: int) -> float:
-        r, ms = self.rows, self.ms
-        if len(r) == 1 or rows <= r[0]:
-            base = ms[0] * (rows / r[0] if len(r) == 1 else 1.0)
-        else:
-            i = next((i for i in range(1, len(r)) if rows <= r[i]), len(r) - 1)
-            slope = (ms[i] - ms[i - 1]) / (r[i] - r[i - 1])
-            base = ms[i - 1] + slope * (rows - r[i - 1])
-        return base * self.scale
+    @staticmethod
+    def _along(widths: list[int], ms: list[float], n: float) -> float:
+        if len(widths) == 1 or n <= widths[0]:
+            return ms[0] * (n / widths[0] if len(widths) == 1 else 1.0)
+        i = next((i for i in range(1, len(widths)) if n <= widths[i]), len(widths) - 1)
+        slope = (ms[i] - ms[i - 1]) / (widths[i] - widths[i - 1])
+        return ms[i - 1] + slope * (n - widths[i - 1])
 
-    def observe(self, rows: int, step_ms: float, draft_ms: float | None = None, levels: int = 0) -> None:
-        predicted = self.predict(rows) / self.scale
+    def row_ms(self, slots: int) -> float:
+        """What one more row (a draft) adds to a step of ``slots`` busy slots."""
+        slots = max(slots, 1)
+        if self.verify_ms is None:
+            return self._along(self.widths, self.ms, slots + 1) - self._along(self.widths, self.ms, slots)
+        extra = [(v - m) / w for w, m, v in zip(self.widths, self.ms, self.verify_ms)]
+        return max(self._along(self.widths, extra, slots), 0.0)
+
+    def predict(self, slots: int, rows: int) -> float:
+        slots = max(slots, 1)
+        return (self._along(self.widths, self.ms, slots) + max(rows - slots, 0) * self.row_ms(slots)) * self.scale
+
+    def observe(self, slots: int, rows: int, step_ms: float, draft_ms: float | None = None, levels: int = 0) -> None:
+        predicted = self.predict(slots, rows) / self.scale
         if predicted > 0:
             self.scale += EMA * (step_ms / predicted - self.scale)
         if draft_ms is not None and levels:
@@ -306,33 +319,36 @@ class DepthPlanner:
     def __init__(self, cost: StepCost, drafter: Drafter, fixed_depth: int | None = None):
         self.cost, self.drafter, self.fixed_depth = cost, drafter, fixed_depth
 
-    def plan(self, seqs: list, base_rows: int, room: list[int]) -> list[int]:
-        """``room[i]``: the most drafts seqs[i] may take (tokens left, cache left)."""
+    def plan(self, seqs: list, base_rows: int, room: list[int], slots: int | None = None) -> list[int]:
+        """``room[i]``: the most drafts seqs[i] may take (tokens left, cache left); ``base_rows``: the
+        step's rows before drafts, over ``slots`` busy slots (len(seqs) when not given)."""
         if self.fixed_depth is not None:
             return [min(self.fixed_depth, r) for r in room]
+        slots = slots or len(seqs)
         depths = [0] * len(seqs)
         reach = [1.0] * len(seqs)  # chance that the next draft position is reached and accepted
-        tokens = float(len(seqs))
+        tokens = float(slots)  # every busy slot makes a token this step, drafts or not
         rows = base_rows
 
         def step_ms(rows: int, depths: list[int]) -> float:
             deepest = max(depths, default=0)
-            return self.cost.predict(rows) + self.cost.draft_ms * self.drafter.cost_levels(deepest)
+            return self.cost.predict(slots, rows) + self.cost.draft_ms * self.drafter.cost_levels(deepest)
 
-        best = tokens / step_ms(rows, depths)
+        # Add the likeliest next draft row, one at a time, all the way, and keep the best point on
+        # that path: the drafter's own pass is a fixed cost that only several drafts together repay.
+        best, best_depths = tokens / step_ms(rows, depths), depths
         while True:
             gains = [(reach[i] * s.accept_ema[depths[i]], i) for i, s in enumerate(seqs) if depths[i] < room[i]]
             if not gains:
                 break
             gain, i = max(gains)
-            trial = depths.copy()
-            trial[i] += 1
-            rate = (tokens + gain) / step_ms(rows + 1, trial)
-            if rate <= best:
-                break
-            depths, best, tokens, rows = trial, rate, tokens + gain, rows + 1
-            reach[i] = gain
-        return depths
+            depths = depths.copy()
+            depths[i] += 1
+            tokens, rows, reach[i] = tokens + gain, rows + 1, gain
+            rate = tokens / step_ms(rows, depths)
+            if rate > best:
+                best, best_depths = rate, depths
+        return best_depths
 
 
 def relax_acceptance(ema: list[float], prior: list[float]) -> None:

@@ -264,7 +264,7 @@ class Engine:
         drafter, state = build_drafter(self.drafter, model, loaded, decoder, self.device, width, self.draft_min_p)
         if drafter is None:
             return None, None, state
-        cost = StepCost(calibration.widths, calibration.step_ms)
+        cost = StepCost(calibration.widths, calibration.step_ms, calibration.verify_ms)
         return drafter, DepthPlanner(cost, drafter, self.draft_depth), state
 
     def _log_step(self, record) -> None:

@@ -56,6 +56,7 @@ class Sequence:
     track_logprob: bool = False  # sum the chosen tokens' log-probabilities (Whisper's quality check)
     handle: object | None = None  # the request this sequence belongs to
     index: int = 0  # its place within that request (Whisper: the window number)
+    size: float = 0.0  # expected work (Whisper: frames of audio in the window); larger joins first
     # state
     slot: int = -1
     preparing: Iterator | None = None  # unfinished preparation work
@@ -216,8 +217,12 @@ class Lane:
             seq.on_finish(seq)
 
     def _admit(self) -> None:
+        """Fill free slots from the queue: the largest expected work first, in arrival order among
+        equals. Full 30-s windows go before a file's short last window, so a batch of files does not
+        end with one long window decoding alone while the other slots sit empty."""
         while self.waiting and None in self.slots:
-            seq = self.waiting.popleft()
+            seq = max(self.waiting, key=lambda s: s.size)  # the first of the largest
+            self.waiting.remove(seq)
             if seq.cancelled:
                 self._finish(seq, "cancelled")
                 continue
@@ -276,7 +281,7 @@ class Lane:
                 room.append(left)
         if not candidates:
             return {}, 0.0, 0
-        depths = self.planner.plan(candidates, base_rows, room)
+        depths = self.planner.plan(candidates, base_rows, room, slots=len(active))
         chosen = [(s, d) for s, d in zip(candidates, depths) if d > 0]
         if len(chosen) < len(candidates):
             prior = self._acceptance_prior()
@@ -410,7 +415,7 @@ class Lane:
                     break
         step_ms = (time.perf_counter() - t0) * 1000
         if self.planner is not None:
-            self.planner.cost.observe(offset, step_ms, draft_ms if levels else None, levels)
+            self.planner.cost.observe(len(active), offset, step_ms, draft_ms if levels else None, levels)
         record = StepRecord(
             lane=self.name, step=self.counters.steps, width=self.width, slots=len(active), rows=offset,
             prefill_rows=prefill_rows, step_ms=step_ms, prepare_ms=prepare_ms,

@@ -277,6 +277,37 @@ def test_depth_planner_drafts_deep_when_rows_are_cheap_and_drafts_are_good():
     assert DepthPlanner(steep, NgramDrafter(), fixed_depth=3).plan([bad, good], 2, [8, 1]) == [3, 1]
 
 
+def test_a_draft_row_costs_what_the_two_row_calibration_shows():
+    widths, one_row, two_rows = [1, 2, 4, 8], [4.0, 4.5, 6.0, 9.2], [4.3, 5.1, 7.2, 11.6]
+    cost = StepCost(widths, one_row, two_rows)
+    assert cost.predict(8, 8) == pytest.approx(9.2)
+    assert cost.row_ms(8) == pytest.approx((11.6 - 9.2) / 8)  # a verified row shares its slot's memory reads
+    assert cost.predict(8, 10) == pytest.approx(9.2 + 2 * 0.3)
+    assert cost.predict(3, 3) == pytest.approx(5.25)  # slots between measured widths: interpolated
+    assert cost.row_ms(3) == pytest.approx((0.3 + 0.3) / 2)
+    slots_only = StepCost(widths, one_row)  # an old calibration: a row is priced like one more slot
+    assert slots_only.predict(4, 5) == pytest.approx(6.0 + (9.2 - 6.0) / 4)
+
+
+def test_depth_planner_drafts_for_whisper_like_costs_once_several_drafts_repay_the_drafter_pass():
+    # Whisper-like: a slot costs ~0.8 ms more, a verified draft row ~0.3 ms, the head's pass 0.5 ms.
+    widths, one_row, two_rows = [1, 2, 4, 8], [4.0, 4.5, 6.0, 9.2], [4.3, 5.1, 7.2, 11.6]
+    class HeadLike(NgramDrafter):
+        def cost_levels(self, depth):  # one sequential pass per draft position, as an MTP head
+            return depth
+
+    slots = [_Seq([0.4] + [0.1] * 7) for _ in range(8)]
+    cost = StepCost(widths, one_row, two_rows)
+    cost.draft_ms = 0.5
+    depths = DepthPlanner(cost, HeadLike()).plan(slots, base_rows=8, room=[8] * 8)
+    assert depths == [1] * 8  # one draft each: 8 x 0.4 tokens for 2.4 + 0.5 ms on a 9.2 ms step
+    priced_as_slots = StepCost(widths, one_row)
+    priced_as_slots.draft_ms = 0.5
+    assert DepthPlanner(priced_as_slots, HeadLike()).plan(slots, base_rows=8, room=[8] * 8) == [0] * 8
+    lone = DepthPlanner(cost, HeadLike()).plan(slots[:1], base_rows=8, room=[8], slots=8)
+    assert lone == [0]  # one draft alone does not repay the head's pass (0.4 token for 0.8 ms)
+
+
 def test_ngram_lookup_proposes_what_followed_the_last_occurrence():
     seq = Sequence([5, 6, 7, 8, 9, 1, 2, 3], 10, set())
     seq.tokens = [6, 7]

@@ -34,6 +34,7 @@ def test_calibration_measures_a_curve_chooses_by_the_rule_and_is_cached(tiny):
     first = calibrate(decoder, "whisper-tiny.en", "test-" + source_key(tiny.source), use_cache=False)
     assert first.widths[:5] == [1, 2, 4, 8, 16] and len(first.widths) == len(first.step_ms)
     assert all(ms > 0 for ms in first.step_ms)
+    assert len(first.verify_ms) == len(first.widths) and all(ms > 0 for ms in first.verify_ms)  # 2 rows per slot
     chosen = first.widths.index(first.chosen)
     assert 1000 / first.step_ms[chosen] >= MIN_SLOT_SHARE * 1000 / first.step_ms[0]
     assert first.chosen == choose_width(first.widths, first.step_ms, first.memory_limit_width)
@@ -175,6 +176,15 @@ def test_a_lane_alone_prepares_every_joining_sequence_before_its_step(monkeypatc
         lane.add(seq)
     record = lane.step()
     assert sorted(pieces.values()) == [5] and record.preparing == 2 and record.slots == 1
+
+
+def test_the_largest_waiting_sequence_joins_first_in_arrival_order_among_equals():
+    joined = []
+    lane = Lane(_Decoder(width=1), name="t")
+    for name, size in [("short tail", 100), ("full A", 3000), ("full B", 3000), ("half", 1500)]:
+        lane.add(Sequence([1, 2], 1, set(), size=size, on_finish=lambda seq, n=name: joined.append(n)))
+    lane.run_until_idle()
+    assert joined == ["full A", "full B", "half", "short tail"]
 
 
 def test_preparation_runs_to_readiness_when_nobody_is_decoding():
