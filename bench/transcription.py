@@ -183,12 +183,13 @@ def batch_durations(n: int, shortest: float, longest: float, seed: int = 5) -> l
     return durations
 
 
-def window_count(clips: list[Clip]) -> int:
-    """30-s windows over the clips, counted as Cadence cuts them."""
+def window_count(clips: list[Clip], windowing: str) -> int:
+    """Windows over the clips, counted as Cadence cuts them ("vad" or "fixed")."""
     from engine.audio import load_audio
-    from engine.whisper_features import log_mel, windows
+    from engine.transcribe import plan_windows
+    from engine.whisper_features import log_mel
 
-    return sum(sum(1 for _ in windows(log_mel(load_audio(c.path)))) for c in clips)
+    return sum(len(plan_windows(log_mel(a), a, windowing)) for a in (load_audio(c.path) for c in clips))
 
 
 # ---------------------------------------------------------------------------- the three engines
@@ -200,13 +201,13 @@ class Run:
     errors: list[str] = field(default_factory=list)
 
 
-def run_cadence(model: str, paths: list[Path], width) -> Run:
+def run_cadence(model: str, paths: list[Path], width, windowing: str = "vad") -> Run:
     from engine.engine import Engine, TranscribeRequest
 
     start = time.perf_counter()
     engine = Engine(backend="cpu", batch=width)
     try:
-        handles = [engine.submit(TranscribeRequest(audio=p, model=model, language="en")) for p in paths]
+        handles = [engine.submit(TranscribeRequest(audio=p, model=model, language="en", windowing=windowing)) for p in paths]
         run = Run(0.0)
         for h in handles:
             try:
@@ -290,7 +291,7 @@ def main() -> None:
     parser.add_argument("--width", default="8", help="Cadence's lane width: a number or auto (default 8)")
     parser.add_argument("--fw-batch", type=int, default=8, help="BatchedInferencePipeline batch size")
     parser.add_argument("--quick", action="store_true", help="a dry run: batch files of 5 to 20 s only")
-    parser.add_argument("--engines", default="cadence,fw,fw-batched")
+    parser.add_argument("--engines", default="cadence,cadence-fixed,fw,fw-batched")
     parser.add_argument("--fw-timestamps", action="store_true",
                         help="faster-whisper sequential with timestamps (its long-form seeking: windows end at the "
                              "last timestamp) instead of without_timestamps=True; the batched pipeline is unchanged")
@@ -312,19 +313,21 @@ def main() -> None:
         base = make_clips(work, [5.0] * args.base, seed=1, prefix="base")
         batch = make_clips(work, batch_durations(args.files, 5.0, longest), seed=2, prefix="file")
         speech_s = sum(c.seconds for c in batch)
-        n_windows = window_count(batch)
+        n_windows = {"cadence": window_count(batch, "vad"), "cadence-fixed": window_count(batch, "fixed")}
         print(f"torch {torch.__version__}, {threads} threads; Cadence width {width}; faster-whisper cpu_threads "
               f"{threads}; speech made in {time.perf_counter() - t0:.1f} s")
         print(f"faster-whisper options: {FW_OPTIONS}" + (f", sequential run: {SEQUENTIAL_OPTIONS}" if SEQUENTIAL_OPTIONS
                                                            else "") + "\n")
         print(f"Batch: {len(batch)} files, {speech_s:.0f} s of speech ({min(c.seconds for c in batch):.1f} to "
-              f"{max(c.seconds for c in batch):.1f} s each), {n_windows} windows of 30 s; "
+              f"{max(c.seconds for c in batch):.1f} s each), {n_windows['cadence-fixed']} fixed 30-s windows or "
+              f"{n_windows['cadence']} voice-activity windows; "
               f"{sum(len(c.text.split()) for c in batch)} words of known text.")
         print(f"Subtracted: {len(base)} short files ({sum(c.seconds for c in base):.0f} s of speech) run alone. "
               f"seconds = T(start-up + load + {len(base)} + {len(batch)} files) - T(start-up + load + {len(base)} "
               "files), each from a fresh engine / model, after one throw-away run per engine.\n")
 
-        names = {"cadence": f"Cadence engine (width {width})", "fw": "faster-whisper sequential",
+        names = {"cadence": f"Cadence engine (width {width}, voice-activity windows)",
+                 "cadence-fixed": f"Cadence engine (width {width}, fixed 30-s windows)", "fw": "faster-whisper sequential",
                  "fw-batched": f"faster-whisper BatchedInferencePipeline (batch {args.fw_batch}, VAD chunks)"}
         rows, raw, floors, per_file = [], [], [], []
         for model in models:
@@ -333,8 +336,8 @@ def main() -> None:
                 folder = work / f"ct2-{model}"
 
                 def go(paths, eng=eng, model=model, folder=folder):
-                    if eng == "cadence":
-                        return run_cadence(model, paths, width)
+                    if eng.startswith("cadence"):
+                        return run_cadence(model, paths, width, "fixed" if eng == "cadence-fixed" else "vad")
                     return run_faster_whisper(model, paths, folder, threads, args.fw_batch if eng == "fw-batched" else 0)
 
                 go([base[0].path])  # throw-away: one-time costs of the process
@@ -359,9 +362,10 @@ def main() -> None:
                 failed = f" ({len(r.errors)} failed: {r.errors[0]})" if r.errors else ""
                 rows.append(f"| {model} | {names[eng]} | {r.seconds:.2f} | {speed} | {100 * error_rate:.1f}% | "
                             f"{same}{failed} |")
-            if "cadence" in results:
+            cadence_runs = [e for e in engines if e.startswith("cadence")]
+            if cadence_runs:
                 enc = encoder_seconds(model)
-                floors.append((model, enc, results["cadence"].seconds))
+                floors += [(model, names[e], enc, n_windows[e], results[e].seconds) for e in cadence_runs]
 
         print(f"## {len(batch)} files, models loaded (start-up and load subtracted)\n")
         print("| model | engine | seconds | speed-up vs faster-whisper sequential | WER | same tokens as "
@@ -381,12 +385,11 @@ def main() -> None:
                 print(f"| {c.path.name} | {c.seconds:.1f} | " + " | ".join(f"{100 * table[e][i]:.1f}%" for e in engines) + " |")
         if floors:
             print("\n## Encoder floor (Cadence runs each 30-s window through the encoder once)\n")
-            print("| model | one window's encoder (s) | windows | floor (s) | Cadence (s) | Cadence / floor |")
-            print("|---|---|---|---|---|---|")
-            for model, enc, ours in floors:
-                floor = enc * n_windows
-                print(f"| {model} | {enc:.3f} | {n_windows} | {floor:.2f} | {ours:.2f} | "
-                      f"{ours / floor:.2f}x |")
+            print("| model | engine | one window's encoder (s) | windows | floor (s) | Cadence (s) | Cadence / floor |")
+            print("|---|---|---|---|---|---|---|")
+            for model, name, enc, count, ours in floors:
+                floor = enc * count
+                print(f"| {model} | {name} | {enc:.3f} | {count} | {floor:.2f} | {ours:.2f} | {ours / floor:.2f}x |")
             print("\n(Under 1.0x can only come from the subtraction: in the longer run the short files' "
                   "windows share steps with the batch's. Timings are only meaningful on a quiet machine.)")
     finally:

@@ -383,6 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_WHISPER, help=f"model name or path (default {DEFAULT_WHISPER})")
     p.add_argument("--language", default=None, help="language code such as en or de (multilingual models detect it)")
     p.add_argument("--task", choices=("transcribe", "translate"), default="transcribe")
+    p.add_argument("--windows", choices=("vad", "fixed"), default="vad",
+                   help="vad (default): windows of up to 30 s cut where the speaker pauses, silence skipped; "
+                        "fixed: every 30 s, as faster-whisper's sequential run without timestamps")
     p.add_argument("--format", choices=FORMATS, default=None, help="txt (default), srt, vtt or json")
     p.add_argument("--json", action="store_true", help="print one JSON list to stdout (no files unless --out DIR)")
     p.add_argument("--out", metavar="DIR", help="write one file per input into DIR ('-': print to stdout; "

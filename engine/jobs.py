@@ -145,6 +145,8 @@ def submit_job(engine, jobs: JobStore, job_id: int):
     request = TranscribeRequest(
         audio=job.path, model=job.model, language=job.language or options.get("language"),
         task=options.get("task", "transcribe"), name=job.path, done_windows=jobs.windows(job_id),
+        # a job keeps the windows it was planned with (jobs from before voice activity: fixed)
+        windowing=options.get("windowing", "fixed"),
         on_plan=on_plan, on_window=on_window)
     jobs._set(job_id, state="running")
     return engine.submit(request)

@@ -25,6 +25,7 @@ from engine.whisper_features import FRAMES_PER_SECOND, WINDOW_FRAMES, log_mel, p
 from engine.whisper_reference import WhisperReference, WindowResult
 from engine.whisper_tokens import WhisperTokenizer
 
+WINDOWINGS = ("vad", "fixed")
 LOOP_MIN_REPEATS = 4  # a tail repeating one unit this many times ...
 LOOP_MIN_TOKENS = 16  # ... over at least this many tokens is a hallucination loop
 LOOP_MAX_PERIOD = 16  # longest repeating unit looked for, in tokens
@@ -67,18 +68,43 @@ def check_language(tok: WhisperTokenizer, model_name: str, language: str | None,
     return language
 
 
+def check_windowing(windowing: str) -> str:
+    if windowing not in WINDOWINGS:
+        raise RequestError(f"Unknown windowing '{windowing}' (use {' or '.join(WINDOWINGS)}).")
+    return windowing
+
+
+def plan_windows(features: np.ndarray, samples: np.ndarray, windowing: str) -> list[tuple[int, int, np.ndarray]]:
+    """(first frame, frames of content, padded window) of each window to decode: cut in the pauses of
+    speech found by voice activity ("vad": silence is never decoded, no word is cut at a window edge),
+    or every 30 s ("fixed", faster-whisper's sequential windows without timestamps)."""
+    if windowing == "fixed":
+        return list(windows(features))
+    from engine.vad import speech_probabilities, vad_windows
+
+    content = features.shape[-1] - 1  # the last frame comes from the padding tail
+    spans = []
+    for seek, size in vad_windows(speech_probabilities(samples), samples.size):
+        size = min(size, content - seek)
+        if size > 0:
+            spans.append((seek, size, pad_window(features[:, seek : seek + size])))
+    return spans
+
+
 def plan_transcription(decoder: WhisperReference, samples: np.ndarray, language: str | None = None,
-                       task: str = "transcribe", name: str = "audio", detect: bool = True) -> TranscriptionPlan:
+                       task: str = "transcribe", name: str = "audio", detect: bool = True,
+                       windowing: str = "vad") -> TranscriptionPlan:
     """Features, windows and silent windows of a clip. With ``detect`` False, an undetected language
     stays None (and the prompt empty) for :func:`detect_plan_language` to settle on the model's thread:
     everything else here is plain array work that any thread may do."""
     tok = decoder.tok
     language = check_language(tok, decoder.loaded.source.name, language, task)
+    check_windowing(windowing)
     if samples.size < SAMPLE_RATE // 10:
         raise CadenceError(f"{Path(name).name} is too short to transcribe ({samples.size / SAMPLE_RATE:.2f} s).")
     started = time.perf_counter()
     features = log_mel(samples, decoder.model.config.num_mel_bins)
-    spans = list(windows(features))
+    spans = plan_windows(features, samples, windowing)
     hop = SAMPLE_RATE // FRAMES_PER_SECOND
     silent = {i for i, (seek, size, _) in enumerate(spans)
               if _rms(samples[seek * hop : (seek + size) * hop]) < SILENCE_RMS}
@@ -86,7 +112,8 @@ def plan_transcription(decoder: WhisperReference, samples: np.ndarray, language:
     if language is not None:
         plan.prompt = tok.sot_sequence(language, task) + [tok.no_timestamps]
         return plan
-    plan.detect_window = pad_window(features[:, :WINDOW_FRAMES])
+    first = spans[0][0] if spans else 0  # the first speech, where voice activity found some
+    plan.detect_window = pad_window(features[:, first : first + WINDOW_FRAMES])
     if detect:
         detect_plan_language(decoder, plan)
     return plan
@@ -104,7 +131,8 @@ def read_plan(ref: WhisperReference, req) -> TranscriptionPlan:
     so decoding and resampling a file never holds up the slots decoding others."""
     name = str(req.audio) if not isinstance(req.audio, np.ndarray) else (req.name or "audio")
     samples = req.audio if isinstance(req.audio, np.ndarray) else load_audio(req.audio)
-    return plan_transcription(ref, samples, req.language, req.task, req.name or name, detect=False)
+    return plan_transcription(ref, samples, req.language, req.task, req.name or name, detect=False,
+                              windowing=req.windowing)
 
 
 def _rms(x: np.ndarray) -> float:
@@ -166,16 +194,17 @@ def assemble_transcript(plan: TranscriptionPlan, tok: WhisperTokenizer, results:
 
 
 def transcribe_samples(decoder: WhisperReference, samples: np.ndarray, language: str | None = None,
-                       task: str = "transcribe", name: str = "audio") -> Transcript:
+                       task: str = "transcribe", name: str = "audio", windowing: str = "vad") -> Transcript:
     """Greedy, no timestamps, each window decoded on its own (no previous-text conditioning)."""
-    plan = plan_transcription(decoder, samples, language, task, name)
+    plan = plan_transcription(decoder, samples, language, task, name, windowing=windowing)
     results = [plan.silent_result() if i in plan.silent else decoder.decode(decoder.encode(window), plan.prompt)
                for i, (_, _, window) in enumerate(plan.spans)]
     return assemble_transcript(plan, decoder.tok, results)
 
 
-def transcribe_file(decoder: WhisperReference, path: str | Path, language=None, task="transcribe") -> Transcript:
-    return transcribe_samples(decoder, load_audio(path), language, task, name=str(path))
+def transcribe_file(decoder: WhisperReference, path: str | Path, language=None, task="transcribe",
+                    windowing: str = "vad") -> Transcript:
+    return transcribe_samples(decoder, load_audio(path), language, task, name=str(path), windowing=windowing)
 
 
 def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequence]:

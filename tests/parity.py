@@ -27,3 +27,15 @@ def assert_same_or_near_tie(chat_ref, prompt_ids, got, want, params: SamplingPar
     top2 = torch.topk(logits.float(), 2).values
     gap = float(top2[0] - top2[1])
     assert gap < NEAR_TIE, f"token {i} differs with a logit gap of {gap:.4g}: a masking or position bug"
+
+
+def clip_timestamps(path) -> list[float]:
+    """Cadence's voice-activity windows of a file as faster-whisper's ``clip_timestamps`` (start, end,
+    start, end, ... in seconds), so that faster-whisper decodes exactly the same windows."""
+    from engine.audio import load_audio
+    from engine.transcribe import plan_windows
+    from engine.whisper_features import FRAMES_PER_SECOND, log_mel
+
+    audio = load_audio(path)
+    return [x for seek, size, _ in plan_windows(log_mel(audio), audio, "vad")
+            for x in (seek / FRAMES_PER_SECOND, (seek + size) / FRAMES_PER_SECOND)]

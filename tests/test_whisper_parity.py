@@ -2,6 +2,7 @@
 
 import pytest
 from faster_whisper import WhisperModel
+from parity import clip_timestamps
 
 from engine.audio import load_audio
 from engine.transcribe import transcribe_file
@@ -10,8 +11,10 @@ from engine.whisper_reference import WhisperReference
 FW_OPTIONS = dict(beam_size=1, temperature=0, without_timestamps=True, condition_on_previous_text=False)
 
 
-def _faster_whisper_tokens(model, path, language=None):
-    segments, info = model.transcribe(load_audio(path), language=language, **FW_OPTIONS)
+def _faster_whisper_tokens(model, path, language=None, same_windows=False):
+    """faster-whisper's sequential run: its own fixed 30-s windows, or Cadence's voice-activity windows."""
+    extra = {"clip_timestamps": clip_timestamps(path)} if same_windows else {}
+    segments, info = model.transcribe(load_audio(path), language=language, **FW_OPTIONS, **extra)
     return [t for s in segments for t in s.tokens], info.language
 
 
@@ -25,22 +28,31 @@ def test_token_parity_with_faster_whisper(model_name, request, speech, ct2_folde
     ours = WhisperReference(loaded)
     theirs = WhisperModel(str(ct2_folder(model_name)), device="cpu", compute_type="float32")
     for name in ("fox", "report", "budget", "long"):
-        transcript = transcribe_file(ours, speech[name])
+        # Fixed 30-s windows: faster-whisper's sequential run as it comes.
+        transcript = transcribe_file(ours, speech[name], windowing="fixed")
         expected, language = _faster_whisper_tokens(theirs, speech[name])
         got = [t for s in transcript.segments for t in s.tokens]
-        assert got == expected, f"{model_name} differs from faster-whisper on {name}"
+        assert got == expected, f"{model_name} differs from faster-whisper on {name} (fixed windows)"
         assert transcript.language == language == "en"
-    long = transcribe_file(ours, speech["long"])
+        # Voice-activity windows (the default): faster-whisper given the same windows as its clips.
+        transcript = transcribe_file(ours, speech[name])
+        expected, _ = _faster_whisper_tokens(theirs, speech[name], same_windows=True)
+        got = [t for s in transcript.segments for t in s.tokens]
+        assert got == expected, f"{model_name} differs from faster-whisper on {name} (voice-activity windows)"
+    long = transcribe_file(ours, speech["long"], windowing="fixed")
     assert len(long.segments) == 2 and long.segments[1].start == 30.0
     assert long.segments[-1].end <= long.duration
     assert "finance" in _words(long.text)
+    by_vad = transcribe_file(ours, speech["long"])
+    assert len(by_vad.segments) == 2 and 20.0 < by_vad.segments[1].start < 30.0  # cut in a pause before 30 s
+    assert "finance" in _words(by_vad.text)
 
 
 def test_multilingual_detects_language_and_matches(base, speech, ct2_folder):
     ours = WhisperReference(base)
     theirs = WhisperModel(str(ct2_folder("whisper-base")), device="cpu", compute_type="float32")
     transcript = transcribe_file(ours, speech["german"])
-    expected, language = _faster_whisper_tokens(theirs, speech["german"])
+    expected, language = _faster_whisper_tokens(theirs, speech["german"], same_windows=True)
     assert transcript.language == language == "de"
     assert [t for s in transcript.segments for t in s.tokens] == expected
     forced = transcribe_file(ours, speech["german"], language="de")
