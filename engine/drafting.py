@@ -277,12 +277,15 @@ class StepCost:
     """Milliseconds of one step by its busy slots and rows, from the calibration curves: ``step_ms``
     (one row per slot) interpolated over slots and extended linearly past its end, plus each row
     beyond the slots' first at what ``verify_ms`` (two rows per slot) showed one costs at that width.
-    Scaled by how the real steps compare. Without ``verify_ms`` a row costs what a slot does."""
+    Without ``verify_ms`` a row costs what a slot does. Both parts are scaled by how the real steps
+    compare: ``scale`` from steps without extra rows, ``row_scale`` from the rest (ragged drafts pad
+    every slot to the deepest one in attention, which two even rows per slot do not show)."""
 
     def __init__(self, widths: list[int], step_ms: list[float], verify_ms: list[float] | None = None):
         self.widths, self.ms = list(widths), list(step_ms)
         self.verify_ms = list(verify_ms) if verify_ms and len(verify_ms) == len(widths) else None
         self.scale = 1.0
+        self.row_scale = 1.0
         self.draft_ms = 0.0  # one sequential draft pass (the drafter's own cost per level)
 
     @staticmethod
@@ -303,12 +306,19 @@ class StepCost:
 
     def predict(self, slots: int, rows: int) -> float:
         slots = max(slots, 1)
-        return (self._along(self.widths, self.ms, slots) + max(rows - slots, 0) * self.row_ms(slots)) * self.scale
+        extra = max(rows - slots, 0) * self.row_ms(slots) * self.row_scale
+        return (self._along(self.widths, self.ms, slots) + extra) * self.scale
 
     def observe(self, slots: int, rows: int, step_ms: float, draft_ms: float | None = None, levels: int = 0) -> None:
-        predicted = self.predict(slots, rows) / self.scale
-        if predicted > 0:
-            self.scale += EMA * (step_ms / predicted - self.scale)
+        slots = max(slots, 1)
+        base = self._along(self.widths, self.ms, slots)
+        extra = (rows - slots) * self.row_ms(slots)
+        if rows <= slots or extra <= 0:
+            if base > 0:
+                self.scale += EMA * (step_ms / base - self.scale)
+        else:  # what the extra rows cost this time, against what the curve says
+            implied = (step_ms / self.scale - base) / extra
+            self.row_scale += EMA * (min(max(implied, 0.25), 8.0) - self.row_scale)
         if draft_ms is not None and levels:
             self.draft_ms += EMA * (draft_ms / levels - self.draft_ms)
 

@@ -414,7 +414,7 @@ class Lane:
                     self._finish(seq, "length")
                     break
         step_ms = (time.perf_counter() - t0) * 1000
-        if self.planner is not None:
+        if self.planner is not None and not prefill_rows:  # prompt chunks cost otherwise than drafts
             self.planner.cost.observe(len(active), offset, step_ms, draft_ms if levels else None, levels)
         record = StepRecord(
             lane=self.name, step=self.counters.steps, width=self.width, slots=len(active), rows=offset,

@@ -287,6 +287,11 @@ def test_a_draft_row_costs_what_the_two_row_calibration_shows():
     assert cost.row_ms(3) == pytest.approx((0.3 + 0.3) / 2)
     slots_only = StepCost(widths, one_row)  # an old calibration: a row is priced like one more slot
     assert slots_only.predict(4, 5) == pytest.approx(6.0 + (9.2 - 6.0) / 4)
+    for _ in range(40):  # the real steps: 8 slots cost 10% more, and drafted rows twice the curve's price
+        cost.observe(8, 8, 9.2 * 1.1)
+        cost.observe(8, 12, (9.2 + 4 * 2 * 0.3) * 1.1)
+    assert cost.scale == pytest.approx(1.1, rel=0.02) and cost.row_scale == pytest.approx(2.0, rel=0.05)
+    assert cost.predict(8, 10) == pytest.approx((9.2 + 2 * 0.6) * 1.1, rel=0.03)
 
 
 def test_depth_planner_drafts_for_whisper_like_costs_once_several_drafts_repay_the_drafter_pass():

@@ -15,22 +15,22 @@ from engine.whisper_features import log_mel
 from engine.whisper_reference import WhisperReference
 
 SENTENCES = [
-    "The museum opened a new exhibition about ancient maps and the sailors who drew them.",
-    "Children played football in the park while their parents talked on the benches.",
-    "The doctor recommended more sleep, less coffee and a short walk after every meal.",
-    "Engineers tested the bridge for several weeks before it was opened to traffic.",
-    "The garden was full of roses, tulips and a few tall sunflowers near the fence.",
-    "Our neighbours are moving to a farm in the countryside at the end of the summer.",
-    "The orchestra rehearsed the symphony three times before the evening concert.",
-    "Please turn off the lights and close the windows when you leave the building.",
-    "The new software update fixes several bugs and makes the application start faster.",
-    "A strong wind blew across the harbour, and the fishing boats stayed at the pier.",
-    "The students wrote essays about climate, history and the future of cities.",
-    "My grandmother keeps a notebook of recipes that she collected over many years.",
-    "The hotel offers a quiet room with a view of the mountains and the lake.",
-    "After the storm, volunteers cleared the roads and helped repair damaged roofs.",
-    "The chef added garlic, lemon and a pinch of salt before serving the fish.",
-    "Our team finished the project early and celebrated with pizza in the office.",
+    "The ferry leaves the harbour at seven and reaches the island just before noon.",
+    "Our cousins built a wooden cabin beside the lake with their own hands.",
+    "The bakery ran out of bread early because a school ordered two hundred rolls.",
+    "Please water the tomatoes twice a week and pick the ripe ones on Saturday.",
+    "The choir practised in the old church because the hall was being painted.",
+    "A flock of geese flew south over the valley as the first frost arrived.",
+    "The museum guide told us how the castle walls were built without any machines.",
+    "My brother repaired the bicycle chain and oiled the brakes before the race.",
+    "The village market opens on Thursdays and sells cheese, apples and warm soup.",
+    "Heavy snow closed the mountain pass, so the bus took the longer road instead.",
+    "The young pilot checked the engines twice before she taxied onto the runway.",
+    "Our teacher read a story about a lighthouse keeper and his clever parrot.",
+    "The factory switched to solar panels and cut its electricity bill in half.",
+    "After dinner we walked along the river and watched the sun go down.",
+    "The library lends telescopes to families who want to look at the stars.",
+    "Farmers in the north planted barley early because the spring was so warm.",
 ]
 
 
