@@ -86,6 +86,7 @@ class LiveJob:
     total: int = 0
     remove_when_ended: bool = False
     texts: dict[int, str] = field(default_factory=dict)  # window index -> its text, as each window finishes
+    window_times: list = field(default_factory=list)  # (start, end) seconds of each window, once planned
     duration: float | None = None  # seconds of audio, once the engine has read the file
 
 
@@ -110,7 +111,7 @@ class EngineBridge(QObject):
     job_changed = Signal(int)  # a job's stored row changed (started, ended, removed)
     jobs_added = Signal(list)  # the Jobs just queued
     job_progress = Signal(int, int, int)  # job id, windows done, windows in all
-    job_text = Signal(int, int, str)  # job id, window index, that 30-s window's text (as each one finishes)
+    job_text = Signal(int, int, str)  # job id, window index, that window's text (as each one finishes)
     reply_update = Signal(int, int, str, float)  # conversation id, answer id, text so far, tokens/s
     reply_ended = Signal(int, int, str)  # conversation id, answer id, error sentence ('' when it ended well)
     status_changed = Signal(dict)  # Engine.status() plus "labels": request id -> what it is
@@ -383,6 +384,8 @@ class EngineBridge(QObject):
                     if live.started is None:
                         live.started = time.monotonic()
                     live.done, live.total = event.done, event.total
+                    if isinstance(event.result, list):
+                        live.window_times = list(event.result)
                     earlier = self._earlier_windows(live, event.done)
                     self.job_progress.emit(live.job_id, live.done, live.total)
                     for index, text in earlier:
@@ -390,7 +393,7 @@ class EngineBridge(QObject):
                 elif event.kind == "progress":
                     live.done, live.total = event.done, event.total
                     self.job_progress.emit(live.job_id, live.done, live.total)
-                    if event.index >= 0:  # one more 30-s window finished: its text, as the transcript will have it
+                    if event.index >= 0:  # one more window finished: its text, as the transcript will have it
                         text = "" if _silent(event.result) else (event.text or "")
                         live.texts[event.index] = text
                         self.job_text.emit(live.job_id, event.index, text)

@@ -238,7 +238,7 @@ class QueueView(QWidget):
             self._cell(row, DURATION).setText(clock(live.duration))
 
     def _on_text(self, job_id: int, index: int, text: str) -> None:
-        """One more 30-s window finished: the row shows the text so far (the whole of it in the tooltip)."""
+        """One more window finished: the row shows the text so far (the whole of it in the tooltip)."""
         texts = self.window_texts.setdefault(job_id, {})
         texts[index] = text
         row = self.rows.get(job_id)

@@ -1,6 +1,6 @@
 """One transcript: timed segments, search, play from a segment, copy, export, chat about it.
 
-A file still being transcribed can be opened too: its finished 30-s windows appear one by one as
+A file still being transcribed can be opened too: its finished windows appear one by one as
 the engine reports them (each window's text, timed by the window), and the finished transcript
 replaces them when the file is done.
 """
@@ -32,7 +32,7 @@ from app.bridge import EngineBridge
 from app.player import Player
 from app.transcripts import clock, export_transcript
 
-WINDOW_SECONDS = 30  # Whisper decodes a recording in windows of this length, from its start
+WINDOW_SECONDS = 30  # the longest window: where a window's times are not known yet, the fixed grid
 EXPORT_FILTERS = "Plain text (*.txt);;SubRip subtitles (*.srt);;WebVTT subtitles (*.vtt);;JSON (*.json)"
 
 
@@ -47,6 +47,7 @@ class TranscriptView(QWidget):
         self.result: dict | None = None
         self.live_job: int | None = None  # a job in flight shown as its windows finish (no final result yet)
         self.live_texts: dict[int, str] = {}  # its windows' text so far, by window index
+        self.live_times: list = []  # (start, end) seconds of its windows, from the engine's plan
         self.live_progress = (0, 0)  # its windows done, of all
         self.player = Player()
 
@@ -133,7 +134,7 @@ class TranscriptView(QWidget):
 
     # ------------------------------------------------------------------ a file still being transcribed
     def _show_partial(self, job_id: int) -> None:
-        """The windows of a job in flight finished so far, each timed by its 30-s window."""
+        """The windows of a job in flight finished so far, each timed by its window."""
         live = self.bridge.live_jobs.get(job_id)
         first = self.live_job != job_id
         if first:
@@ -142,22 +143,27 @@ class TranscriptView(QWidget):
             self.live_texts = dict(live.texts)
             self.live_progress = (live.done, live.total)
             self.live_name, self.live_duration = live.name, live.duration
+            self.live_times = list(live.window_times)
             self.search.clear()
             self.note.setText("Click a line to play the recording from there.")
-        elif live is not None and live.duration is not None:
-            self.live_duration = live.duration
+        elif live is not None:
+            self.live_duration = live.duration if live.duration is not None else self.live_duration
+            self.live_times = list(live.window_times) or self.live_times
         self.live_job, self.job_id, self.result = job_id, job_id, None
         duration = self.live_duration
         done, total = self.live_progress
         progress = f"{done} of {total} windows" if total else "waiting for the engine"
         self.title.setText(f"<b>{self.live_name}</b> — transcribing ({progress}"
-                           + (f", {clock(duration)}" if duration else "") + "); the text fills in as each 30-s window"
+                           + (f", {clock(duration)}" if duration else "") + "); the text fills in as each window"
                            " is decoded.")
         rows = [(i, t) for i, t in sorted(self.live_texts.items()) if t]
         self.table.setRowCount(len(rows))
         for r, (index, text) in enumerate(rows):
-            start = index * WINDOW_SECONDS
-            end = start + WINDOW_SECONDS if duration is None else min(start + WINDOW_SECONDS, duration)
+            if index < len(self.live_times):
+                start, end = self.live_times[index]
+            else:
+                start = index * WINDOW_SECONDS
+                end = start + WINDOW_SECONDS if duration is None else min(start + WINDOW_SECONDS, duration)
             for j, value in enumerate((clock(start), clock(end), text)):
                 item = QTableWidgetItem(value)
                 item.setData(Qt.UserRole, float(start))

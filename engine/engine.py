@@ -78,7 +78,8 @@ class Event:
     tokens: list[int] = field(default_factory=list)
     done: int = 0
     total: int = 0
-    result: object = None  # finished: the result; progress: the finished window's WindowResult
+    result: object = None  # finished: the result; progress: the finished window's WindowResult;
+    # started: a transcription's window times [(start, end) seconds], a chat's prompt fitting
     message: str = ""
     index: int = -1  # progress: which window finished
 

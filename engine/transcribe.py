@@ -48,6 +48,11 @@ class TranscriptionPlan:
     task: str = "transcribe"
     detect_window: np.ndarray | None = None  # the first 30 s, for language detection when none was given
 
+    def window_times(self) -> list[tuple[float, float]]:
+        """(start, end) seconds of each window's audio."""
+        return [(seek / FRAMES_PER_SECOND, min((seek + size) / FRAMES_PER_SECOND, self.duration))
+                for seek, size, _ in self.spans]
+
     def silent_result(self) -> WindowResult:
         """What a silent window counts as: no tokens, certainly no speech."""
         return WindowResult([], 1.0, -10.0)
@@ -168,14 +173,13 @@ def cut_repetition(tokens: list[int]) -> list[int]:
 def assemble_transcript(plan: TranscriptionPlan, tok: WhisperTokenizer, results: list[WindowResult]) -> Transcript:
     """Window results, in window order, into segments; silent windows are skipped, loops cut."""
     segments: list[Segment] = []
-    for (seek, size, _), result in zip(plan.spans, results):
+    for (start, end), result in zip(plan.window_times(), results):
         if result.no_speech_prob > NO_SPEECH_THRESHOLD and result.avg_logprob <= LOGPROB_THRESHOLD:
             continue
         tokens = cut_repetition(result.tokens)
         text = tok.decode(tokens).strip()
         if text:
-            end = min((seek + size) / FRAMES_PER_SECOND, plan.duration)
-            segments.append(Segment(seek / FRAMES_PER_SECOND, end, text, list(tokens)))
+            segments.append(Segment(start, end, text, list(tokens)))
     n_tokens = sum(len(r.tokens) for r in results)
     seconds = time.perf_counter() - plan.started
     return Transcript(
@@ -221,7 +225,8 @@ def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequenc
     results.update({i: r for i, r in (req.done_windows or {}).items() if 0 <= i < len(plan.spans)})
     if req.on_plan:
         req.on_plan(plan)
-    handle._emit(Event("started", handle.id, done=len(results), total=len(plan.spans), text=plan.language))
+    handle._emit(Event("started", handle.id, done=len(results), total=len(plan.spans), text=plan.language,
+                       result=plan.window_times()))  # where each window lies, for a live view of the file
 
     drafting = DraftCounts()  # this file's windows' drafts, for its stats
 

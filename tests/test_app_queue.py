@@ -152,9 +152,10 @@ def test_a_file_being_transcribed_shows_each_window_as_it_finishes(qtbot, app_ho
     def on_text(job_id, index, text):  # connected after the queue and the viewer: they have drawn it already
         row = row_texts(queue.table)[queue.rows[job_id]]
         lines = [view.table.item(r, 2).text() for r in range(view.table.rowCount())]
-        seen.append((index, text, row[MESSAGE], lines, queue.progress_of(job_id)))
+        starts = [view.table.item(r, 0).text() for r in range(view.table.rowCount())]
+        seen.append((index, text, row[MESSAGE], lines, queue.progress_of(job_id), starts))
 
-    [job_id] = window.bridge.add_paths([speech["long"]])  # about 45 s: two 30-s windows
+    [job_id] = window.bridge.add_paths([speech["long"]])  # about 45 s: two windows
     window.bridge.job_text.connect(on_text)
     queue.select_job(job_id)
     assert queue.open_button.isEnabled()  # a file in flight can be opened too ...
@@ -164,7 +165,7 @@ def test_a_file_being_transcribed_shows_each_window_as_it_finishes(qtbot, app_ho
     wait_jobs_settled(qtbot, window)
 
     assert sorted(index for index, *_ in seen) == [0, 1] and all(text for _, text, *_ in seen)
-    first_index, first_text, first_message, first_lines, first_bar = seen[0]
+    first_index, first_text, first_message, first_lines, first_bar, _ = seen[0]
     assert first_message == first_text and first_lines == [first_text]  # the row and the viewer, before the file ended
     assert first_bar == (50, "50% (1/2)")  # the bar moved with the first window, not only at the end
     by_index = dict((index, text) for index, text, *_ in seen)
@@ -176,6 +177,7 @@ def test_a_file_being_transcribed_shows_each_window_as_it_finishes(qtbot, app_ho
     assert [view.table.item(r, 2).text() for r in range(view.table.rowCount())] == [by_index[0], by_index[1]]
     second = job.result["segments"][1]["start"]  # the second window starts in a pause before 30 s
     assert 20 <= second < 30 and view.table.item(1, 0).text() == f"0:{int(second):02d}"
+    assert seen[1][5] == ["0:00", f"0:{int(second):02d}"]  # the live lines were timed by their windows too
     assert _row_of(window, "long.wav")[MESSAGE].endswith("real time") and queue.progress_of(job_id) == (100, "100%")
 
 
