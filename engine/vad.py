@@ -27,6 +27,7 @@ CHUNK = 512  # samples per probability (32 ms)
 CONTEXT = 64  # samples of the previous chunk each chunk sees
 FRAME = 160  # samples per Whisper feature frame (10 ms); window edges fall on frames
 MODEL_FILE = "silero_vad_16k_sequence.onnx"
+BLOCK = 4096  # chunks per call (about 2 minutes): memory stays small however long the recording
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,13 @@ class SileroVad:
         if chunks.shape[0] == 0:
             return np.zeros(0, dtype=np.float32)
         context = np.concatenate([np.zeros((1, CONTEXT), np.float32), chunks[:-1, -CONTEXT:]])
-        state = np.zeros((1, 1, 128), np.float32)
-        probs = self.session.run(None, {"input": np.concatenate([context, chunks], 1), "h": state, "c": state})[0]
-        return np.asarray(probs, dtype=np.float32).reshape(-1)
+        h = c = np.zeros((1, 1, 128), np.float32)
+        out = []
+        for start in range(0, chunks.shape[0], BLOCK):  # a block at a time, the LSTM state carried over
+            block = np.concatenate([context[start : start + BLOCK], chunks[start : start + BLOCK]], 1)
+            probs, h, c = self.session.run(None, {"input": block, "h": h, "c": c})
+            out.append(np.asarray(probs, dtype=np.float32).reshape(-1))
+        return np.concatenate(out)
 
 
 _MODEL: SileroVad | None = None

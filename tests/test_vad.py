@@ -69,6 +69,15 @@ def test_speech_is_found_where_it_is_and_not_in_silence_or_noise(vad, speech):
     assert speech_regions(vad(hiss), hiss.size) == []
 
 
+def test_long_audio_is_read_in_blocks_with_the_same_probabilities(vad, dense, monkeypatch):
+    import engine.vad
+
+    audio = load_audio(dense[0])
+    whole = vad(audio)
+    monkeypatch.setattr(engine.vad, "BLOCK", 100)  # ~3 s per call: dozens of calls, the state carried over
+    assert np.array_equal(vad(audio), whole)
+
+
 def test_windows_are_at_most_30_s_and_cut_where_the_speaker_pauses(vad, dense):
     path, _ = dense
     audio = load_audio(path)
