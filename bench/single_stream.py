@@ -75,7 +75,8 @@ def main() -> None:
                     for c in clips]
 
         def run_ours():
-            return [[t for s in transcribe_samples(ref, c, language="en").segments for t in s.tokens] for c in clips]
+            return [[t for s in transcribe_samples(ref, c, language="en", windowing="fixed").segments
+                     for t in s.tokens] for c in clips]
 
         fw_tokens, fw_s = min((timed(run_fw) for _ in range(args.repeats)), key=lambda r: r[1])
         our_tokens, our_s = min((timed(run_ours) for _ in range(args.repeats)), key=lambda r: r[1])

@@ -97,10 +97,11 @@ def whisper_tables(widths, device):
         for w in widths:
             log = work / f"{name}-{w}.jsonl"
             engine = Engine(backend=device, batch=w)
-            engine.submit(TranscribeRequest(clips[0], model=name, language="en")).result()
+            engine.submit(TranscribeRequest(clips[0], model=name, language="en", windowing="fixed")).result()
             engine.log_steps(log)  # the timed run only
             t0 = time.perf_counter()
-            got = [h.result() for h in [engine.submit(TranscribeRequest(c, model=name, language="en")) for c in clips]]
+            handles = [engine.submit(TranscribeRequest(c, model=name, language="en", windowing="fixed")) for c in clips]
+            got = [h.result() for h in handles]
             wall = time.perf_counter() - t0
             engine.shutdown()
             steps = read_log(log)
@@ -179,7 +180,7 @@ def stall_table(width, device):
     for name in ("whisper-tiny.en", "whisper-base"):
         log = work / f"stall-{name}.jsonl"
         engine = Engine(backend=device, batch=width)
-        engine.submit(TranscribeRequest(clips[0], model=name, language="en")).result()
+        engine.submit(TranscribeRequest(clips[0], model=name, language="en", windowing="fixed")).result()
         engine.log_steps(log)
         first = engine.submit(TranscribeRequest(clips[0], model=name, language="en"))
         next(e for e in first if e.kind == "started")

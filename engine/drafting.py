@@ -23,6 +23,8 @@ relies on to keep sampled output distributed exactly as without drafting.
 
 from __future__ import annotations
 
+import heapq
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -35,6 +37,9 @@ DRAFTER_CHOICES = ("auto", "mtp", "ngram", "draft:MODEL", "off")
 MAX_DEPTH = 8  # draft tokens per slot and step, at most
 PRIOR_ACCEPTANCE = 0.5  # a new slot's guess of its acceptance at each draft position
 EMA = 0.25  # weight of the newest observation in the acceptance and cost averages
+ROW_FLOOR = 0.01  # a draft row costs at least this share of its step
+MIN_GAIN = 0.02  # a draft expected to add less than this many tokens is never worth its row
+PATH_PAST_BEST = 16  # the planner looks this many draft rows past its best point, no further
 RELAX = 0.05  # per step without drafts, a slot's acceptance moves this share back toward the lane's
 
 
@@ -297,12 +302,15 @@ class StepCost:
         return ms[i - 1] + slope * (n - widths[i - 1])
 
     def row_ms(self, slots: int) -> float:
-        """What one more row (a draft) adds to a step of ``slots`` busy slots."""
+        """What one more row (a draft) adds to a step of ``slots`` busy slots; never less than
+        ROW_FLOOR of the step (a noisy calibration must not make rows look free for good)."""
         slots = max(slots, 1)
         if self.verify_ms is None:
-            return self._along(self.widths, self.ms, slots + 1) - self._along(self.widths, self.ms, slots)
-        extra = [(v - m) / w for w, m, v in zip(self.widths, self.ms, self.verify_ms)]
-        return max(self._along(self.widths, extra, slots), 0.0)
+            row = self._along(self.widths, self.ms, slots + 1) - self._along(self.widths, self.ms, slots)
+        else:
+            extra = [(v - m) / w for w, m, v in zip(self.widths, self.ms, self.verify_ms)]
+            row = self._along(self.widths, extra, slots)
+        return max(row, ROW_FLOOR * self._along(self.widths, self.ms, slots))
 
     def predict(self, slots: int, rows: int) -> float:
         slots = max(slots, 1)
@@ -344,20 +352,24 @@ class DepthPlanner:
             deepest = max(depths, default=0)
             return self.cost.predict(slots, rows) + self.cost.draft_ms * self.drafter.cost_levels(deepest)
 
-        # Add the likeliest next draft row, one at a time, all the way, and keep the best point on
-        # that path: the drafter's own pass is a fixed cost that only several drafts together repay.
-        best, best_depths = tokens / step_ms(rows, depths), depths
-        while True:
-            gains = [(reach[i] * s.accept_ema[depths[i]], i) for i, s in enumerate(seqs) if depths[i] < room[i]]
-            if not gains:
+        # Add the likeliest next draft row, one at a time, and keep the best point on that path: the
+        # drafter's own pass is a fixed cost that only several drafts together repay, so the path goes
+        # on past a first loss, until the next draft is nearly worthless or too far past the best.
+        best, best_rows, best_depths = tokens / step_ms(rows, depths), rows, list(depths)
+        heap = [(-s.accept_ema[0], i) for i, s in enumerate(seqs) if room[i] > 0]
+        heapq.heapify(heap)  # each slot's next draft, likeliest first (only the drafted slot's changes)
+        while heap:
+            gain, i = heapq.heappop(heap)
+            gain = -gain
+            if gain < MIN_GAIN or rows - best_rows >= PATH_PAST_BEST:
                 break
-            gain, i = max(gains)
-            depths = depths.copy()
             depths[i] += 1
             tokens, rows, reach[i] = tokens + gain, rows + 1, gain
+            if depths[i] < room[i]:
+                heapq.heappush(heap, (-(gain * seqs[i].accept_ema[depths[i]]), i))
             rate = tokens / step_ms(rows, depths)
             if rate > best:
-                best, best_depths = rate, depths
+                best, best_rows, best_depths = rate, rows, list(depths)
         return best_depths
 
 

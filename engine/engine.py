@@ -62,8 +62,12 @@ class TranscribeRequest:
     task: str = "transcribe"
     name: str = ""
     windowing: str = "vad"  # "vad": windows cut in the pauses of speech; "fixed": every 30 s
-    # Resuming: windows finished in an earlier run (index -> WindowResult) are not decoded again.
+    # Resuming: windows finished in an earlier run (index -> WindowResult) are not decoded again,
+    # unless the windows now planned differ from that run's (its spans [[first frame, frames]], or
+    # when only their count is known, that count): then every window is decoded again.
     done_windows: dict | None = None
+    planned_spans: list | None = None
+    planned_windows: int | None = None
     # Called on the engine thread as soon as the plan is made (with the TranscriptionPlan) and as each
     # window finishes (index, WindowResult), so a job store records them before anything else happens.
     on_plan: Callable | None = None

@@ -76,8 +76,18 @@ class JobStore:
     def unfinished(self) -> list[Job]:
         return self.list(UNFINISHED)
 
-    def started(self, job_id: int, windows_total: int, language: str, duration: float) -> None:
-        self._set(job_id, state="running", windows_total=windows_total, language=language, duration=duration)
+    def started(self, job_id: int, windows_total: int, language: str, duration: float,
+                spans: list | None = None) -> None:
+        """The job's plan is made. ``spans``: its windows as [first frame, frames]; when they differ
+        from the ones its stored windows were decoded in (the voice-activity model or its settings
+        changed between a crash and the resume), those stored windows are dropped."""
+        values = {"state": "running", "windows_total": windows_total, "language": language, "duration": duration}
+        if spans is not None:
+            job = self.get(job_id)
+            if job.options.get("spans") not in (None, spans):
+                self._db.execute("DELETE FROM job_windows WHERE job_id = ?", (job_id,))
+            values["options"] = json.dumps({**job.options, "spans": spans})
+        self._set(job_id, **values)
 
     def add_window(self, job_id: int, index: int, window: WindowResult) -> None:
         data = {"tokens": list(window.tokens), "no_speech_prob": window.no_speech_prob,
@@ -136,7 +146,8 @@ def submit_job(engine, jobs: JobStore, job_id: int):
     store_path = jobs.path
 
     def on_plan(plan):  # engine thread
-        JobStore(store_path).started(job_id, len(plan.spans), plan.language, plan.duration)
+        JobStore(store_path).started(job_id, len(plan.spans), plan.language, plan.duration,
+                                     [[seek, size] for seek, size, _ in plan.spans])
 
     def on_window(index, window):  # engine thread: written before the window is reported
         JobStore(store_path).add_window(job_id, index, window)
@@ -145,8 +156,8 @@ def submit_job(engine, jobs: JobStore, job_id: int):
     request = TranscribeRequest(
         audio=job.path, model=job.model, language=job.language or options.get("language"),
         task=options.get("task", "transcribe"), name=job.path, done_windows=jobs.windows(job_id),
-        # a job keeps the windows it was planned with (jobs from before voice activity: fixed)
-        windowing=options.get("windowing", "fixed"),
+        windowing=options.get("windowing", "vad"),
+        planned_spans=options.get("spans"), planned_windows=job.windows_total,
         on_plan=on_plan, on_window=on_window)
     jobs._set(job_id, state="running")
     return engine.submit(request)

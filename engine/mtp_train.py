@@ -396,7 +396,8 @@ class _WhisperMaker:
                 voice, rate = rng.choice(VOICES), rng.randrange(120, 176, 5)
                 text = " ".join(text.split()[: int(rate * 0.45)])  # at most 27 s: one window
                 wav = synthesize(text, Path(tmp) / f"{k}.wav", voice, rate)
-                plan = plan_transcription(self.ref, load_audio(wav), self.language, "transcribe", wav.name)
+                plan = plan_transcription(self.ref, load_audio(wav), self.language, "transcribe", wav.name,
+                                          windowing="fixed")
                 prompt = plan.prompt
                 windows.append(torch.from_numpy(plan.spans[0][2]))
                 texts.append(f"{voice} {rate}: {text}")

@@ -4,9 +4,11 @@ A lane owns one model's :class:`~engine.seam.BatchedDecoder` with ``width`` slot
 in a queue, join a free slot at any step, prefill their prompt in chunks alongside the running
 slots' decode rows, and leave when finished or cancelled. Each step is one forward pass.
 
-Work a sequence needs before its prompt (Whisper: encoding its 30-s window) is a generator the
-lane advances one piece per step while other slots decode, so a joining window stalls the
-running ones by one encoder layer, not a whole encoder; the time it takes is in the step record.
+Work a sequence needs before its prompt (Whisper: encoding its window) is a generator the lane
+advances before a step. While another lane is busy (a chat streaming), one piece per step, so a
+joining window stalls the running slots by one encoder layer, not a whole encoder; with the engine
+to itself, every joining window in full, up to about PREPARE_BUDGET_MS (the budget is checked
+between windows), so the slots then decode at full width. The time it takes is in the step record.
 """
 
 from __future__ import annotations
@@ -56,7 +58,6 @@ class Sequence:
     track_logprob: bool = False  # sum the chosen tokens' log-probabilities (Whisper's quality check)
     handle: object | None = None  # the request this sequence belongs to
     index: int = 0  # its place within that request (Whisper: the window number)
-    size: float = 0.0  # expected work (Whisper: frames of audio in the window); larger joins first
     # state
     slot: int = -1
     preparing: Iterator | None = None  # unfinished preparation work
@@ -217,12 +218,8 @@ class Lane:
             seq.on_finish(seq)
 
     def _admit(self) -> None:
-        """Fill free slots from the queue: the largest expected work first, in arrival order among
-        equals. Full 30-s windows go before a file's short last window, so a batch of files does not
-        end with one long window decoding alone while the other slots sit empty."""
         while self.waiting and None in self.slots:
-            seq = max(self.waiting, key=lambda s: s.size)  # the first of the largest
-            self.waiting.remove(seq)
+            seq = self.waiting.popleft()
             if seq.cancelled:
                 self._finish(seq, "cancelled")
                 continue

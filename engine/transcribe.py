@@ -222,7 +222,12 @@ def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequenc
     if plan.language is None:
         detect_plan_language(ref, plan)
     results: dict[int, WindowResult] = {i: plan.silent_result() for i in plan.silent}
-    results.update({i: r for i, r in (req.done_windows or {}).items() if 0 <= i < len(plan.spans)})
+    done = req.done_windows or {}
+    spans = [[seek, size] for seek, size, _ in plan.spans]
+    if (req.planned_spans is not None and req.planned_spans != spans) or \
+            (req.planned_spans is None and req.planned_windows is not None and req.planned_windows != len(spans)):
+        done = {}  # the windows moved since those were decoded: their text belongs to other audio
+    results.update({i: r for i, r in done.items() if 0 <= i < len(plan.spans)})
     if req.on_plan:
         req.on_plan(plan)
     handle._emit(Event("started", handle.id, done=len(results), total=len(plan.spans), text=plan.language,
@@ -241,7 +246,7 @@ def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequenc
         return len(seq.tokens) >= LOOP_MIN_TOKENS and repetition_start(seq.tokens) is not None
 
     def prepare(seq, slot):  # on joining a slot: encode this window into the slot's cross-attention memory,
-        # one encoder layer per step while other slots decode (a generator the lane advances)
+        # a generator the lane advances: a layer at a time, as the lane finds room (see Lane._prepare)
         window = torch.from_numpy(plan.spans[seq.index][2])[None].to(decoder.device, decoder.cross_k.dtype)
         encoded = yield from decoder.encode_in_steps(window)
         decoder.set_memory(slot, encoded[0])
@@ -277,7 +282,7 @@ def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequenc
         seq = Sequence(list(plan.prompt), decoder.max_len - len(plan.prompt), {ref.tok.eot},
                        suppress=ref.suppress, begin_suppress=ref.begin_suppress, prepare=prepare,
                        on_token=on_token, on_finish=on_finish, probe_row=plan.prompt.index(ref.tok.sot),
-                       track_logprob=True, handle=handle, index=index, size=plan.spans[index][1])
+                       track_logprob=True, handle=handle, index=index)
         lane.add(seq)
         seqs.append(seq)
     finish_if_complete()  # every window was done in an earlier run

@@ -4,17 +4,19 @@ The speech detector is Silero VAD v6 (16 kHz), the ONNX export its ``silero-vad`
 for whole sequences, run with onnxruntime on one thread. The package itself is never imported
 (importing it sets PyTorch to one thread for the whole process); only its model file is read.
 The model gives one probability per 512-sample chunk (32 ms), each chunk seen with the 64 samples
-before it, all chunks in one call.
+before it, read in blocks of about two minutes with the LSTM's state carried from one to the next.
 
 Windows: speech regions (hysteresis on the probabilities, as Silero's own rules) are padded a
 little, then joined into windows of at most 30 s that start and end in pauses; a region longer
-than 30 s is cut at its quietest chunk late in the window. Decoding such windows loses no words at
-window edges (fixed 30-s windows cut through words and sentences), and silence is never decoded.
+than 30 s (speech with no pause the model calls one) is cut at its quietest chunk late in the
+window, leaving at least a second after the cut. Decoding such windows rarely cuts a word (fixed
+30-s windows cut through words and sentences), and long stretches of silence are not decoded.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +41,11 @@ class VadOptions:
     pad_ms: int = 200  # each region widened this much on both sides (at most half the pause)
     max_window_s: float = 30.0  # Whisper's window
     cut_search_s: float = 10.0  # an over-long region is cut at its quietest chunk in its last this-many seconds
+    min_piece_s: float = 1.0  # ... leaving at least this much of the region after the cut
+
+    def __post_init__(self):
+        if not 0 < self.min_piece_s < self.cut_search_s < self.max_window_s:
+            raise ValueError("VadOptions needs 0 < min_piece_s < cut_search_s < max_window_s")
 
 
 def model_path() -> Path:
@@ -97,7 +104,7 @@ def speech_probabilities(samples: np.ndarray) -> np.ndarray:
 def speech_regions(probs: np.ndarray, n_samples: int, opts: VadOptions = VadOptions()) -> list[tuple[int, int]]:
     """[(start, end)] sample ranges of speech, padded, in order, not overlapping."""
     ms = CHUNK * 1000 / SAMPLE_RATE
-    min_silence = max(1, round(opts.min_silence_ms / ms))
+    min_silence = max(1, math.ceil(opts.min_silence_ms / ms))  # a pause this long or longer ends speech
     regions, start, quiet_since = [], None, None
     for i, p in enumerate(probs):
         if start is None:
@@ -124,13 +131,16 @@ def speech_regions(probs: np.ndarray, n_samples: int, opts: VadOptions = VadOpti
     return padded
 
 
-def _cut(probs: np.ndarray, start: int, limit: int, search: int) -> int:
-    """Where to end a window that starts at sample ``start`` inside a region longer than allowed: the
-    quietest chunk among the last ``search`` samples before ``start + limit`` (its start)."""
-    lo, hi = (start + limit - search) // CHUNK + 1, (start + limit) // CHUNK
+def _cut(probs: np.ndarray, start: int, end: int, limit: int, search: int, min_piece: int) -> int:
+    """Where to end a window that starts at sample ``start`` inside a region [start, end) longer than
+    allowed: the quietest chunk (the latest of equals) among the last ``search`` samples before
+    ``start + limit``, but not within ``min_piece`` of the region's end (its fading tail would be
+    left as a window of its own)."""
+    lo = (start + limit - search) // CHUNK + 1
+    hi = min(start + limit, end - min_piece) // CHUNK
     if hi <= lo:
         return start + limit
-    k = lo + int(np.argmin(probs[lo:hi]))
+    k = hi - 1 - int(np.argmin(probs[lo:hi][::-1]))
     return k * CHUNK
 
 
@@ -138,10 +148,15 @@ def vad_windows(probs: np.ndarray, n_samples: int, opts: VadOptions = VadOptions
     """[(first frame, frames)] of windows of at most ``max_window_s`` covering the speech, cut in pauses."""
     limit = int(opts.max_window_s * SAMPLE_RATE)
     search = int(opts.cut_search_s * SAMPLE_RATE)
+    min_piece = int(opts.min_piece_s * SAMPLE_RATE)
     pieces = []  # speech regions, the over-long ones cut into pieces that fit a window
+    pad = opts.pad_ms * SAMPLE_RATE // 1000
     for s, e in speech_regions(probs, n_samples, opts):
+        if limit < e - s <= limit + 2 * pad:  # over only by its padding: pad less instead of cutting
+            s += (e - s - limit) // 2
+            e = s + limit
         while e - s > limit:
-            cut = _cut(probs, s, limit, search)
+            cut = _cut(probs, s, e, limit, search, min_piece)
             pieces.append((s, cut))
             s = cut
         pieces.append((s, e))

@@ -285,6 +285,8 @@ def test_a_draft_row_costs_what_the_two_row_calibration_shows():
     assert cost.predict(8, 10) == pytest.approx(9.2 + 2 * 0.3)
     assert cost.predict(3, 3) == pytest.approx(5.25)  # slots between measured widths: interpolated
     assert cost.row_ms(3) == pytest.approx((0.3 + 0.3) / 2)
+    noisy = StepCost([1, 2], [10.0, 12.0], [9.5, 11.0])  # two rows measured faster than one: noise
+    assert noisy.row_ms(1) == pytest.approx(0.1)  # a row never looks free
     slots_only = StepCost(widths, one_row)  # an old calibration: a row is priced like one more slot
     assert slots_only.predict(4, 5) == pytest.approx(6.0 + (9.2 - 6.0) / 4)
     for _ in range(40):  # the real steps: 8 slots cost 10% more, and drafted rows twice the curve's price
@@ -311,6 +313,9 @@ def test_depth_planner_drafts_for_whisper_like_costs_once_several_drafts_repay_t
     assert DepthPlanner(priced_as_slots, HeadLike()).plan(slots, base_rows=8, room=[8] * 8) == [0] * 8
     lone = DepthPlanner(cost, HeadLike()).plan(slots[:1], base_rows=8, room=[8], slots=8)
     assert lone == [0]  # one draft alone does not repay the head's pass (0.4 token for 0.8 ms)
+    hopeless = [_Seq([0.01] * 8) for _ in range(256)]  # drafts worth less than MIN_GAIN: not even tried
+    wide = StepCost([1, 256], [4.0, 200.0], [4.1, 210.0])
+    assert DepthPlanner(wide, NgramDrafter()).plan(hopeless, base_rows=256, room=[8] * 256) == [0] * 256
 
 
 def test_ngram_lookup_proposes_what_followed_the_last_occurrence():

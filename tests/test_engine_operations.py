@@ -178,16 +178,8 @@ def test_a_lane_alone_prepares_every_joining_sequence_before_its_step(monkeypatc
     assert sorted(pieces.values()) == [5] and record.preparing == 2 and record.slots == 1
 
 
-def test_the_largest_waiting_sequence_joins_first_in_arrival_order_among_equals():
-    joined = []
-    lane = Lane(_Decoder(width=1), name="t")
-    for name, size in [("short tail", 100), ("full A", 3000), ("full B", 3000), ("half", 1500)]:
-        lane.add(Sequence([1, 2], 1, set(), size=size, on_finish=lambda seq, n=name: joined.append(n)))
-    lane.run_until_idle()
-    assert joined == ["full A", "full B", "half", "short tail"]
-
-
-def test_preparation_runs_to_readiness_when_nobody_is_decoding():
+@pytest.mark.parametrize("shared", [False, True])
+def test_preparation_runs_to_readiness_when_nobody_is_decoding(shared):
     def prepare(seq, slot):
         for _ in range(4):
             yield
@@ -195,7 +187,7 @@ def test_preparation_runs_to_readiness_when_nobody_is_decoding():
     lane = Lane(_Decoder(), name="t")
     seq = Sequence([1], 3, set(), prepare=prepare)
     lane.add(seq)
-    record = lane.step()
+    record = lane.step(shared=shared)  # even beside a busy lane: nobody here would decode meanwhile
     assert record is not None and seq.tokens  # no step was wasted waiting
 
 

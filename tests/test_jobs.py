@@ -57,6 +57,20 @@ def test_a_stored_window_is_used_as_it_is(engine4, jobs, speech, tiny):
     assert len(transcript.segments) == 2 and "report" in transcript.segments[1].text.lower()
 
 
+def test_windows_stored_for_other_windows_are_decoded_again(engine4, jobs, speech, tiny):
+    """A crash, then a resume whose voice activity cuts the file elsewhere (another model version or
+    settings): the stored window 0 belongs to other audio, so it is dropped and decoded again."""
+    job_id = jobs.create(speech["long"], "whisper-tiny.en")
+    marker = tiny.tokenizer.encode(" Stored before the crash.")
+    jobs.started(job_id, 2, "en", 45.0, [[0, 1500], [1500, 3000]])  # the windows of the earlier run
+    jobs.add_window(job_id, 0, WindowResult(marker, 0.0, -0.1))
+    transcript = run(engine4, jobs, job_id)
+    assert "Stored before the crash" not in transcript.text and "report" in transcript.text.lower()
+    job = jobs.get(job_id)
+    assert job.options["spans"] != [[0, 1500], [1500, 3000]]  # the windows it was decoded in now
+    assert jobs.windows(job_id)[0].tokens == transcript.segments[0].tokens
+
+
 def test_failures_and_cancellation_touch_only_their_own_job(engine4, jobs, speech, tmp_path):
     bad = tmp_path / "noise.wav"
     bad.write_bytes(b"\x00\x01garbage" * 50)

@@ -69,6 +69,40 @@ def test_speech_is_found_where_it_is_and_not_in_silence_or_noise(vad, speech):
     assert speech_regions(vad(hiss), hiss.size) == []
 
 
+def _probs(seconds, *speech):
+    """Made-up probabilities: 0.95 in the given (start, end) seconds, 0 elsewhere."""
+    p = np.zeros(-(-int(seconds * SAMPLE_RATE) // CHUNK), np.float32)
+    for a, b in speech:
+        p[int(a * SAMPLE_RATE) // CHUNK : int(b * SAMPLE_RATE) // CHUNK] = 0.95
+    return p, int(seconds * SAMPLE_RATE)
+
+
+def test_region_rules_on_made_up_probabilities():
+    ms = CHUNK * 1000 / SAMPLE_RATE  # 32 ms per chunk
+    p, n = _probs(10, (1, 3), (3 + 2 * ms / 1000, 5), (5 + 4 * ms / 1000, 7), (8, 8.1))
+    regions = speech_regions(p, n)
+    # a 64-ms pause does not end speech, a 128-ms one does; 0.1 s of "speech" is dropped
+    assert len(regions) == 2, regions
+    (s1, e1), (s2, e2) = regions
+    assert s1 == SAMPLE_RATE // CHUNK * CHUNK - VadOptions().pad_ms * SAMPLE_RATE // 1000  # padded before ...
+    gap = int((5 + 4 * ms / 1000) * SAMPLE_RATE) // CHUNK * CHUNK - int(5 * SAMPLE_RATE) // CHUNK * CHUNK
+    assert e1 - 5 * SAMPLE_RATE <= gap // 2 + CHUNK and s2 >= e1  # ... and by at most half the pause between
+    assert abs(e2 - (7 * SAMPLE_RATE + VadOptions().pad_ms * SAMPLE_RATE // 1000)) <= CHUNK
+
+
+def test_overlong_speech_is_cut_late_and_leaves_no_crumb():
+    p, n = _probs(40, (3, 32.8))  # 29.8 s of speech: over 30 s only with its padding
+    assert vad_windows(p, n) == [(289, 3000)]  # padded less, not cut
+    p[int(32.8 * SAMPLE_RATE) // CHUNK - 3 : int(32.8 * SAMPLE_RATE) // CHUNK] = 0.45  # a fading tail ...
+    p[int(32.8 * SAMPLE_RATE) // CHUNK : int(33.5 * SAMPLE_RATE) // CHUNK] = 0.95  # ... then more speech
+    spans = vad_windows(p, n)
+    assert len(spans) == 2 and all(size >= 100 for _, size in spans)  # the rest is at least a second
+    flat, n = np.full(-(-7200 * SAMPLE_RATE // CHUNK), 0.99, np.float32), 7200 * SAMPLE_RATE
+    spans = vad_windows(flat, n)  # two hours without a pause: cut as late as allowed
+    assert max(size for _, size in spans) <= 3000 and min(size for _, size in spans[:-1]) >= 2900
+    assert sum(size for _, size in spans) == 720000 and len(spans) <= 245
+
+
 def test_long_audio_is_read_in_blocks_with_the_same_probabilities(vad, dense, monkeypatch):
     import engine.vad
 
@@ -90,7 +124,7 @@ def test_windows_are_at_most_30_s_and_cut_where_the_speaker_pauses(vad, dense):
         cut = (seek + size) * 160 // CHUNK
         assert probs[max(0, cut - 2) : cut + 2].min() < 0.5  # the cut is in a pause, not inside a word
     seek, size = spans[-1]
-    assert seek + size <= -(-audio.size // 160)
+    assert 0 < size <= 30 * frames and seek + size <= -(-audio.size // 160)
     # Fixed windows cut at 30 s whatever is said there.
     fixed = plan_windows(log_mel(audio), audio, "fixed")
     assert [s for s, _, _ in fixed][:2] == [0, 3000]
