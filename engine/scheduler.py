@@ -58,6 +58,8 @@ class Sequence:
     track_logprob: bool = False  # sum the chosen tokens' log-probabilities (Whisper's quality check)
     handle: object | None = None  # the request this sequence belongs to
     index: int = 0  # its place within that request (Whisper: the window number)
+    size: float = 0.0  # expected work (Whisper: frames of audio in the window), for the joining order
+    passed_over: int = 0  # times a larger sequence behind it joined first
     # state
     slot: int = -1
     preparing: Iterator | None = None  # unfinished preparation work
@@ -217,9 +219,27 @@ class Lane:
         if seq.on_finish:
             seq.on_finish(seq)
 
+    def _next_waiting(self) -> "Sequence":
+        """The sequence to join next: the largest among the first ``width`` waiting (arrival order
+        among equals), unless the first has been passed over ``width`` times already. At the end of
+        a batch the long windows then start before the short ones (instead of one long window
+        decoding alone at the end), while no sequence waits more than ``width`` extra turns and files
+        still finish roughly in the order they came."""
+        head = self.waiting[0]
+        if head.passed_over >= self.width:
+            return self.waiting.popleft()
+        ahead = [self.waiting[i] for i in range(min(self.width, len(self.waiting)))]
+        pick = max(ahead, key=lambda s: s.size)  # the first of the largest
+        for s in ahead:
+            if s is pick:
+                break
+            s.passed_over += 1
+        self.waiting.remove(pick)
+        return pick
+
     def _admit(self) -> None:
         while self.waiting and None in self.slots:
-            seq = self.waiting.popleft()
+            seq = self._next_waiting()
             if seq.cancelled:
                 self._finish(seq, "cancelled")
                 continue

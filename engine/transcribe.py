@@ -282,7 +282,7 @@ def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequenc
         seq = Sequence(list(plan.prompt), decoder.max_len - len(plan.prompt), {ref.tok.eot},
                        suppress=ref.suppress, begin_suppress=ref.begin_suppress, prepare=prepare,
                        on_token=on_token, on_finish=on_finish, probe_row=plan.prompt.index(ref.tok.sot),
-                       track_logprob=True, handle=handle, index=index)
+                       track_logprob=True, handle=handle, index=index, size=plan.spans[index][1])
         lane.add(seq)
         seqs.append(seq)
     finish_if_complete()  # every window was done in an earlier run

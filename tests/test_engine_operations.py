@@ -178,6 +178,25 @@ def test_a_lane_alone_prepares_every_joining_sequence_before_its_step(monkeypatc
     assert sorted(pieces.values()) == [5] and record.preparing == 2 and record.slots == 1
 
 
+def test_the_largest_of_the_first_waiting_joins_first_and_nobody_waits_long():
+    joined = []
+
+    def seq(name, size):
+        return Sequence([1, 2], 1, set(), size=size, on_finish=lambda s, n=name: joined.append(n))
+
+    lane = Lane(_Decoder(width=2), name="t")  # looks 2 ahead; a sequence is passed over twice at most
+    for name, size in [("a tail", 100), ("b full", 3000), ("c full", 3000), ("d half", 1500), ("e tail", 50)]:
+        lane.add(seq(name, size))
+    lane.run_until_idle()
+    assert joined == ["b full", "c full", "a tail", "d half", "e tail"]  # "a" passed over twice, then joins
+    joined.clear()
+    lane = Lane(_Decoder(width=4), name="t")
+    for i in range(6):
+        lane.add(seq(f"w{i}", 3000))  # equal sizes: arrival order
+    lane.run_until_idle()
+    assert joined == [f"w{i}" for i in range(6)]
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_preparation_runs_to_readiness_when_nobody_is_decoding(shared):
     def prepare(seq, slot):
