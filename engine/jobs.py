@@ -82,10 +82,12 @@ class JobStore:
         from the ones its stored windows were decoded in (the voice-activity model or its settings
         changed between a crash and the resume), those stored windows are dropped."""
         values = {"state": "running", "windows_total": windows_total, "language": language, "duration": duration}
+        job = self.get(job_id)
+        before = job.options.get("spans")
+        if (spans is not None and before not in (None, spans)) or \
+                (before is None and job.windows_total is not None and job.windows_total != windows_total):
+            self._db.execute("DELETE FROM job_windows WHERE job_id = ?", (job_id,))  # decoded in other windows
         if spans is not None:
-            job = self.get(job_id)
-            if job.options.get("spans") not in (None, spans):
-                self._db.execute("DELETE FROM job_windows WHERE job_id = ?", (job_id,))
             values["options"] = json.dumps({**job.options, "spans": spans})
         self._set(job_id, **values)
 

@@ -69,6 +69,13 @@ def test_windows_stored_for_other_windows_are_decoded_again(engine4, jobs, speec
     job = jobs.get(job_id)
     assert job.options["spans"] != [[0, 1500], [1500, 3000]]  # the windows it was decoded in now
     assert jobs.windows(job_id)[0].tokens == transcript.segments[0].tokens
+    # A job from before spans were kept: only its window count is known, and it differs.
+    old = jobs.create(speech["long"], "whisper-tiny.en")
+    jobs.started(old, 5, "en", 45.0)
+    for index in range(5):
+        jobs.add_window(old, index, WindowResult(marker, 0.0, -0.1))
+    again = run(engine4, jobs, old)
+    assert "Stored before the crash" not in again.text and sorted(jobs.windows(old)) == [0, 1]
 
 
 def test_failures_and_cancellation_touch_only_their_own_job(engine4, jobs, speech, tmp_path):
