@@ -82,7 +82,10 @@ class JobStore:
         from the ones its stored windows were decoded in (the voice-activity model or its settings
         changed between a crash and the resume), those stored windows are dropped."""
         values = {"state": "running", "windows_total": windows_total, "language": language, "duration": duration}
-        job = self.get(job_id)
+        try:
+            job = self.get(job_id)
+        except CadenceError:  # deleted under a running job: recording its first window will say so
+            return
         before = job.options.get("spans")
         if (spans is not None and before not in (None, spans)) or \
                 (before is None and job.windows_total is not None and job.windows_total != windows_total):
