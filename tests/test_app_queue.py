@@ -175,8 +175,8 @@ def test_a_file_being_transcribed_shows_each_window_as_it_finishes(qtbot, app_ho
     # The finished transcript replaced the live lines in the viewer; the row shows the finished figures.
     assert not view.partial and view.result == job.result and view.export_button.isEnabled()
     assert [view.table.item(r, 2).text() for r in range(view.table.rowCount())] == [by_index[0], by_index[1]]
-    second = job.result["segments"][1]["start"]  # the second window starts in a pause before 30 s
-    assert 20 <= second < 30 and view.table.item(1, 0).text() == clock(second)
+    second = job.result["segments"][1]["start"]  # the second window starts in a pause, wherever it is
+    assert 20 <= second and view.table.item(1, 0).text() == clock(second)
     first = job.result["segments"][0]["start"]
     assert seen[1][5] == [clock(first), clock(second)]  # the live lines were timed by their windows too
     assert _row_of(window, "long.wav")[MESSAGE].endswith("real time") and queue.progress_of(job_id) == (100, "100%")

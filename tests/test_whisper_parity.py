@@ -44,7 +44,9 @@ def test_token_parity_with_faster_whisper(model_name, request, speech, ct2_folde
     assert long.segments[-1].end <= long.duration
     assert "finance" in _words(long.text)
     by_vad = transcribe_file(ours, speech["long"])
-    assert len(by_vad.segments) == 2 and 20.0 < by_vad.segments[1].start < 30.0  # cut in a pause before 30 s
+    first, second = by_vad.segments  # two windows, cut in a pause the voice activity found
+    assert first.end <= second.start and all(s.end - s.start <= 30.0 for s in by_vad.segments)
+    assert 20.0 < second.start < long.duration - 1.0
     assert "finance" in _words(by_vad.text)
 
 
