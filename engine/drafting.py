@@ -344,33 +344,35 @@ class DepthPlanner:
             return [min(self.fixed_depth, r) for r in room]
         slots = slots or len(seqs)
         depths = [0] * len(seqs)
-        reach = [1.0] * len(seqs)  # chance that the next draft position is reached and accepted
         tokens = float(slots)  # every busy slot makes a token this step, drafts or not
-        rows = base_rows
+        rows, deepest = base_rows, 0
 
-        def step_ms(rows: int, depths: list[int]) -> float:
-            deepest = max(depths, default=0)
+        def step_ms(rows: int, deepest: int) -> float:
             return self.cost.predict(slots, rows) + self.cost.draft_ms * self.drafter.cost_levels(deepest)
 
         # Add the likeliest next draft row, one at a time, and keep the best point on that path: the
         # drafter's own pass is a fixed cost that only several drafts together repay, so the path goes
         # on past a first loss, until the next draft is nearly worthless or too far past the best.
-        best, best_rows, best_depths = tokens / step_ms(rows, depths), rows, list(depths)
+        best, path, best_len = tokens / step_ms(rows, 0), [], 0
         heap = [(-s.accept_ema[0], i) for i, s in enumerate(seqs) if room[i] > 0]
         heapq.heapify(heap)  # each slot's next draft, likeliest first (only the drafted slot's changes)
-        while heap:
+        while heap and len(path) - best_len < PATH_PAST_BEST:
             gain, i = heapq.heappop(heap)
-            gain = -gain
-            if gain < MIN_GAIN or rows - best_rows >= PATH_PAST_BEST:
+            gain = -gain  # the chance that this draft is reached and accepted
+            if gain < MIN_GAIN:
                 break
             depths[i] += 1
-            tokens, rows, reach[i] = tokens + gain, rows + 1, gain
+            path.append(i)
+            tokens, rows, deepest = tokens + gain, rows + 1, max(deepest, depths[i])
             if depths[i] < room[i]:
                 heapq.heappush(heap, (-(gain * seqs[i].accept_ema[depths[i]]), i))
-            rate = tokens / step_ms(rows, depths)
+            rate = tokens / step_ms(rows, deepest)
             if rate > best:
-                best, best_rows, best_depths = rate, rows, list(depths)
-        return best_depths
+                best, best_len = rate, len(path)
+        chosen = [0] * len(seqs)
+        for i in path[:best_len]:
+            chosen[i] += 1
+        return chosen
 
 
 def relax_acceptance(ema: list[float], prior: list[float]) -> None:

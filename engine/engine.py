@@ -62,14 +62,11 @@ class TranscribeRequest:
     task: str = "transcribe"
     name: str = ""
     windowing: str = "vad"  # "vad": windows cut in the pauses of speech; "fixed": every 30 s
-    # Resuming: windows finished in an earlier run (index -> WindowResult) are not decoded again,
-    # unless the windows now planned differ from that run's (its spans [[first frame, frames]], or
-    # when only their count is known, that count): then every window is decoded again.
+    # Resuming: windows finished in an earlier run (index -> WindowResult) are not decoded again.
     done_windows: dict | None = None
-    planned_spans: list | None = None
-    planned_windows: int | None = None
     # Called on the engine thread as soon as the plan is made (with the TranscriptionPlan) and as each
     # window finishes (index, WindowResult), so a job store records them before anything else happens.
+    # on_plan returns False when the earlier run's windows lay elsewhere: done_windows are then unused.
     on_plan: Callable | None = None
     on_window: Callable | None = None
 
@@ -341,11 +338,10 @@ class Engine:
                     seq.cancelled = True
             busy_lanes = [lane for lane in self._lanes.values() if lane.busy]
             for lane in busy_lanes:
-                if lane.busy:
-                    try:
-                        lane.step(shared=len(busy_lanes) > 1)
-                    except Exception as exc:  # a fault fails that lane's requests, not the engine
-                        self._fail_lane(lane, exc)
+                try:
+                    lane.step(shared=len(busy_lanes) > 1)
+                except Exception as exc:  # a fault fails that lane's requests, not the engine
+                    self._fail_lane(lane, exc)
 
     def _fail_lane(self, lane, exc: Exception) -> None:
         message = (f"The engine failed while decoding ({exc.__class__.__name__}: {exc}); "

@@ -77,22 +77,25 @@ class JobStore:
         return self.list(UNFINISHED)
 
     def started(self, job_id: int, windows_total: int, language: str, duration: float,
-                spans: list | None = None) -> None:
-        """The job's plan is made. ``spans``: its windows as [first frame, frames]; when they differ
-        from the ones its stored windows were decoded in (the voice-activity model or its settings
-        changed between a crash and the resume), those stored windows are dropped."""
+                spans: list | None = None) -> bool:
+        """The job's plan is made. ``spans``: its windows as [first frame, frames]. Returns False when
+        its stored windows were decoded in other windows (the voice-activity model or its settings
+        changed between a crash and the resume; for a job from before spans were kept, its window
+        count changed): those stored windows are then dropped, to be decoded again."""
         values = {"state": "running", "windows_total": windows_total, "language": language, "duration": duration}
         try:
             job = self.get(job_id)
         except CadenceError:  # deleted under a running job: recording its first window will say so
-            return
+            return True
         before = job.options.get("spans")
-        if (spans is not None and before not in (None, spans)) or \
-                (before is None and job.windows_total is not None and job.windows_total != windows_total):
-            self._db.execute("DELETE FROM job_windows WHERE job_id = ?", (job_id,))  # decoded in other windows
+        moved = (spans is not None and before not in (None, spans)) or \
+            (before is None and job.windows_total is not None and job.windows_total != windows_total)
+        if moved:
+            self._db.execute("DELETE FROM job_windows WHERE job_id = ?", (job_id,))
         if spans is not None:
             values["options"] = json.dumps({**job.options, "spans": spans})
         self._set(job_id, **values)
+        return not moved
 
     def add_window(self, job_id: int, index: int, window: WindowResult) -> None:
         data = {"tokens": list(window.tokens), "no_speech_prob": window.no_speech_prob,
@@ -150,9 +153,9 @@ def submit_job(engine, jobs: JobStore, job_id: int):
         raise CadenceError(message)
     store_path = jobs.path
 
-    def on_plan(plan):  # engine thread
-        JobStore(store_path).started(job_id, len(plan.spans), plan.language, plan.duration,
-                                     [[seek, size] for seek, size, _ in plan.spans])
+    def on_plan(plan):  # engine thread; False: the stored windows were decoded in other windows
+        return JobStore(store_path).started(job_id, len(plan.spans), plan.language, plan.duration,
+                                            [[seek, size] for seek, size, _ in plan.spans])
 
     def on_window(index, window):  # engine thread: written before the window is reported
         JobStore(store_path).add_window(job_id, index, window)
@@ -162,7 +165,6 @@ def submit_job(engine, jobs: JobStore, job_id: int):
         audio=job.path, model=job.model, language=job.language or options.get("language"),
         task=options.get("task", "transcribe"), name=job.path, done_windows=jobs.windows(job_id),
         windowing=options.get("windowing", "vad"),
-        planned_spans=options.get("spans"), planned_windows=job.windows_total,
         on_plan=on_plan, on_window=on_window)
     jobs._set(job_id, state="running")
     return engine.submit(request)

@@ -17,6 +17,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Callable, Iterator
 
 import torch
@@ -228,7 +229,7 @@ class Lane:
         head = self.waiting[0]
         if head.passed_over >= self.width:
             return self.waiting.popleft()
-        ahead = [self.waiting[i] for i in range(min(self.width, len(self.waiting)))]
+        ahead = list(islice(self.waiting, self.width))
         pick = max(ahead, key=lambda s: s.size)  # the first of the largest
         for s in ahead:
             if s is pick:

@@ -81,8 +81,8 @@ def check_windowing(windowing: str) -> str:
 
 def plan_windows(features: np.ndarray, samples: np.ndarray, windowing: str) -> list[tuple[int, int, np.ndarray]]:
     """(first frame, frames of content, padded window) of each window to decode: cut in the pauses of
-    speech found by voice activity ("vad": silence is never decoded, no word is cut at a window edge),
-    or every 30 s ("fixed", faster-whisper's sequential windows without timestamps)."""
+    speech found by voice activity ("vad": long silences are not decoded, words are rarely cut at a
+    window edge), or every 30 s ("fixed", faster-whisper's sequential windows without timestamps)."""
     if windowing == "fixed":
         return list(windows(features))
     from engine.vad import speech_probabilities, vad_windows
@@ -222,14 +222,9 @@ def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequenc
     if plan.language is None:
         detect_plan_language(ref, plan)
     results: dict[int, WindowResult] = {i: plan.silent_result() for i in plan.silent}
-    done = req.done_windows or {}
-    spans = [[seek, size] for seek, size, _ in plan.spans]
-    if (req.planned_spans is not None and req.planned_spans != spans) or \
-            (req.planned_spans is None and req.planned_windows is not None and req.planned_windows != len(spans)):
-        done = {}  # the windows moved since those were decoded: their text belongs to other audio
+    still_valid = req.on_plan(plan) if req.on_plan else True  # False: the earlier windows lay elsewhere
+    done = (req.done_windows or {}) if still_valid is not False else {}
     results.update({i: r for i, r in done.items() if 0 <= i < len(plan.spans)})
-    if req.on_plan:
-        req.on_plan(plan)
     handle._emit(Event("started", handle.id, done=len(results), total=len(plan.spans), text=plan.language,
                        result=plan.window_times()))  # where each window lies, for a live view of the file
 
