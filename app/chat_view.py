@@ -41,6 +41,8 @@ from app.bridge import EngineBridge
 REDRAW_MS = 80
 STATE_NOTES = {"stopped": "stopped", "interrupted": "interrupted: the app closed while it was written",
                "streaming": "writing…"}
+# An answer the model had not finished when it reached the length limit (or the end of the context).
+LENGTH_NOTE = "cut off at the length limit (Chat settings… sets it)"
 
 
 def chat_models() -> list[str]:
@@ -294,6 +296,8 @@ class ChatView(QWidget):
                     foot.append(f"<span style='color:#b00020'>{html.escape(m.error)}</span>")
                 if m.stats.get("tokens"):
                     foot.append(f"{m.stats['tokens']} tokens")
+                if m.state == "complete" and m.stats.get("finish_reason") == "length":
+                    foot.append(LENGTH_NOTE)
                 if speed:
                     foot.append(f"{speed:.1f} tok/s")
                 if m.stats.get("dropped_turns"):

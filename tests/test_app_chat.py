@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from app_support import Heartbeat, app_home, open_window, short_params, wait_answers  # noqa: F401
 
+from app.chat_view import LENGTH_NOTE
 from engine.sampling import SamplingParams
 
 
@@ -42,6 +43,7 @@ def test_two_chats_stream_at_once_with_stop_regenerate_edit(qtbot, app_home):  #
     assert [i.data(0x0100) for i in chats.list.selectedItems()] == [first]
     shown = chats.rendered_text()
     assert "Paris" in shown and "tok/s" in shown and "writing" not in shown
+    assert LENGTH_NOTE not in shown  # a finished answer is not marked as cut off
     assert [chats.list.item(i).text().startswith("●") for i in range(chats.list.count())] == [False, False]
 
     # Stop: a long answer stopped early keeps its text as "stopped".
@@ -62,6 +64,8 @@ def test_two_chats_stream_at_once_with_stop_regenerate_edit(qtbot, app_home):  #
     answer = window.bridge.conversations.get(first).messages[-1]
     assert answer.siblings == 2 and answer.sibling_index == 1
     assert "version 2 of 2" in chats.rendered_text()
+    # 16 tokens of a long story: the answer says it was cut off at the limit, not that it ended.
+    assert answer.stats["finish_reason"] == "length" and LENGTH_NOTE in chats.rendered_text()
     newest = answer.content
     assert chats.older_button.isEnabled() and not chats.newer_button.isEnabled()
     chats.older_button.click()  # flip back to the first (stopped) answer: both are kept
