@@ -117,8 +117,8 @@ class TranscriptView(QWidget):
         self.live_job = None
         self.job_id, self.result = job_id, job.result
         r = job.result
-        self.title.setText(f"<b>{Path(job.path).name}</b> — {clock(r.get('duration'))}, language "
-                           f"{r.get('language') or '?'}, {job.model}")
+        language = f"language {r['language']}" if r.get("language") else "no speech found"
+        self.title.setText(f"<b>{Path(job.path).name}</b> — {clock(r.get('duration'))}, {language}, {job.model}")
         segments = r.get("segments") or []
         self.table.setRowCount(len(segments))
         for i, s in enumerate(segments):

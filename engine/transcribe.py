@@ -53,6 +53,11 @@ class TranscriptionPlan:
         return [(seek / FRAMES_PER_SECOND, min((seek + size) / FRAMES_PER_SECOND, self.duration))
                 for seek, size, _ in self.spans]
 
+    @property
+    def has_speech(self) -> bool:
+        """Whether any window has sound to decode (else there is no language to detect either)."""
+        return len(self.silent) < len(self.spans)
+
     def silent_result(self) -> WindowResult:
         """What a silent window counts as: no tokens, certainly no speech."""
         return WindowResult([], 1.0, -10.0)
@@ -116,6 +121,8 @@ def plan_transcription(decoder: WhisperReference, samples: np.ndarray, language:
     plan = TranscriptionPlan(name, language, [], samples.size / SAMPLE_RATE, spans, started, silent, task)
     if language is not None:
         plan.prompt = tok.sot_sequence(language, task) + [tok.no_timestamps]
+        return plan
+    if not plan.has_speech:  # nothing will be decoded: no language is reported rather than one guessed from silence
         return plan
     first = spans[0][0] if spans else 0  # the first speech, where voice activity found some
     plan.detect_window = pad_window(features[:, first : first + WINDOW_FRAMES])
@@ -219,7 +226,7 @@ def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequenc
     lane = engine.lane(req.model, WHISPER)
     ref = engine.reference(req.model)
     decoder = lane.decoder
-    if plan.language is None:
+    if plan.language is None and plan.has_speech:
         detect_plan_language(ref, plan)
     results: dict[int, WindowResult] = {i: plan.silent_result() for i in plan.silent}
     still_valid = req.on_plan(plan) if req.on_plan else True  # False: the earlier windows lay elsewhere

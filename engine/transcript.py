@@ -17,7 +17,7 @@ class Segment:
 class Transcript:
     file: str
     text: str
-    language: str
+    language: str | None  # None when the file had no speech to detect it from
     duration: float
     segments: list[Segment]
     stats: dict

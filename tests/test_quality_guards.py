@@ -25,6 +25,9 @@ def test_silence_gives_no_text_and_no_hallucinated_lines(engine4):
     silence = np.zeros(16000 * 65, dtype=np.float32)  # three windows of silence
     transcript = engine4.submit(TranscribeRequest(silence, model="whisper-tiny.en")).result(300)
     assert transcript.text == "" and transcript.segments == []
+    # A multilingual model reports no language for a file without speech (none is guessed from silence).
+    multilingual = engine4.submit(TranscribeRequest(silence, model="whisper-base")).result(300)
+    assert multilingual.segments == [] and multilingual.language is None
 
 
 def test_segments_are_ordered_and_inside_the_file(engine4, speech):
