@@ -222,7 +222,8 @@ class EngineBridge(QObject):
             else:
                 files.append(p)
         options = {"formats": self.settings.output_formats, "out": self.settings.output_folder or None,
-                   "language": self.settings.language or None, "task": "transcribe", "windowing": "vad"}
+                   "language": self.settings.language or None, "task": "transcribe",
+                   "windowing": self.settings.windowing}
         model = self.settings.transcription_model
         if len(files) <= ADD_AT_ONCE:
             return self._queue(files, model, options)

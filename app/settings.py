@@ -14,6 +14,7 @@ from PySide6.QtCore import QSettings
 
 from engine.formats import FORMATS
 from engine.models import DEFAULT_CHAT, DEFAULT_WHISPER
+from engine.transcribe import WINDOWINGS
 
 BACKENDS = ("auto", "cpu", "cuda", "mps")
 DRAFTERS = ("auto", "mtp", "ngram", "draft", "off")  # "draft" is sent as "draft:MODEL"
@@ -138,6 +139,16 @@ class Settings:
     @language.setter
     def language(self, value: str) -> None:
         self._set("transcription/language", value)
+
+    @property
+    def windowing(self) -> str:
+        """How recordings are cut into 30-s windows: "vad" (in the pauses of speech) or "fixed"."""
+        value = str(self._get("transcription/windowing", "vad"))
+        return value if value in WINDOWINGS else "vad"
+
+    @windowing.setter
+    def windowing(self, value: str) -> None:
+        self._set("transcription/windowing", value)
 
     # ------------------------------------------------------------------ outputs
     @property

@@ -35,6 +35,7 @@ from engine.paths import cache_dir, data_dir
 from app.bridge import EngineBridge
 from app.settings import BACKENDS, DRAFTERS
 
+WINDOWING_CHOICES = (("By voice activity (in pauses)", "vad"), ("Every 30 seconds", "fixed"))
 DRAFTER_LABELS = {"auto": "Automatic", "mtp": "MTP head", "ngram": "n-gram", "draft": "Draft model", "off": "Off"}
 
 
@@ -104,6 +105,13 @@ class SettingsPanel(QWidget):
         self.chat_model.setCurrentText(s.chat_model)
         self.language = QLineEdit(s.language)
         self.language.setPlaceholderText("detect (e.g. en, de, fr)")
+        self.windowing = QComboBox()
+        for label, value in WINDOWING_CHOICES:
+            self.windowing.addItem(label, value)
+        self.windowing.setCurrentIndex(self.windowing.findData(s.windowing))
+        self.windowing.setToolTip("By voice activity: windows end in pauses and long silences are skipped "
+                                  "(fewer mistakes at window edges). Every 30 seconds: the same windows as "
+                                  "faster-whisper's sequential run, so the same words.")
         self.output_folder = QLineEdit(s.output_folder)
         self.output_folder.setPlaceholderText("next to each recording")
         browse = QPushButton("Choose…")
@@ -122,6 +130,7 @@ class SettingsPanel(QWidget):
         mf.addRow("Transcription model", self.transcription_model)
         mf.addRow("Chat model", self.chat_model)
         mf.addRow("Language", self.language)
+        mf.addRow("Cut recordings", self.windowing)
         mf.addRow("Save transcripts to", folder_row)
         mf.addRow("Formats saved", formats_row)
 
@@ -185,9 +194,10 @@ class SettingsPanel(QWidget):
         s.transcription_model = self.transcription_model.currentText().strip()
         s.chat_model = self.chat_model.currentText().strip()
         s.language = self.language.text().strip()
+        s.windowing = self.windowing.currentData()
         s.output_folder = self.output_folder.text().strip()
         s.output_formats = [f for f, box in self.formats.items() if box.isChecked()] or ["txt"]
-        notes = ["Saved. Models, language and outputs apply to files and chats added from now on."]
+        notes = ["Saved. Models, language, windows and outputs apply to files and chats added from now on."]
         if s.engine_choice() != before:
             notes.append(self.bridge.apply_engine_settings())
         text = " ".join(notes)

@@ -23,6 +23,8 @@ def test_settings_persist_and_apply_without_restart(qtbot, app_home, speech, tmp
         box.setChecked(fmt in ("txt", "vtt"))
     out = tmp_path / "transcripts"
     panel.output_folder.setText(str(out))
+    assert panel.windowing.currentData() == "vad"  # the default: windows cut in pauses
+    panel.windowing.setCurrentIndex(panel.windowing.findData("fixed"))
     note = panel.apply()
     assert "are in use" in note
     assert window.bridge.engine is not old_engine and window.bridge.engine.status()["batch"] == "off"
@@ -30,11 +32,13 @@ def test_settings_persist_and_apply_without_restart(qtbot, app_home, speech, tmp
 
     reread = app_home()  # a fresh QSettings on the same file: what the next start reads
     assert reread.batching is False and reread.output_formats == ["txt", "vtt"] and reread.output_folder == str(out)
+    assert reread.windowing == "fixed"
     assert reread.engine_choice().batch == "off"
 
     [job_id] = window.bridge.add_paths([speech["fox"]])
     wait_jobs_settled(qtbot, window)
     assert window.bridge.jobs.get(job_id).state == "done"
+    assert window.bridge.jobs.get(job_id).options["windowing"] == "fixed"  # the file was cut as chosen
     assert (out / "fox.vtt").read_text().startswith("WEBVTT") and (out / "fox.txt").exists()
     assert not (out / "fox.srt").exists()
     assert window.bridge.engine.status()["lanes"]["whisper-tiny.en"]["width"] == 1
