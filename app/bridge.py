@@ -28,6 +28,7 @@ from engine.engine import Engine
 from engine.errors import CadenceError, record_fault
 from engine.jobs import JobStore, settle_job, submit_job
 from engine.transcribe import LOGPROB_THRESHOLD, NO_SPEECH_THRESHOLD, cut_repetition
+from engine.whisper_timestamps import TimestampRules
 
 from app.settings import EngineChoice, Settings
 from app.transcripts import write_outputs
@@ -223,7 +224,7 @@ class EngineBridge(QObject):
                 files.append(p)
         options = {"formats": self.settings.output_formats, "out": self.settings.output_folder or None,
                    "language": self.settings.language or None, "task": "transcribe",
-                   "windowing": self.settings.windowing}
+                   "windowing": self.settings.windowing, "timestamps": True}
         model = self.settings.transcription_model
         if len(files) <= ADD_AT_ONCE:
             return self._queue(files, model, options)
@@ -406,16 +407,18 @@ class EngineBridge(QObject):
         """The file's duration (the engine has just read it), and a resumed job's windows decoded in an
         earlier session (stored as tokens): their text, so its partial transcript does not start empty."""
         try:
-            live.duration = self.jobs.get(live.job_id).duration
+            job = self.jobs.get(live.job_id)
+            live.duration = job.duration
             if not done:
                 return []
             stored = self.jobs.windows(live.job_id)
             tok = self.engine.reference(live.model).tok
         except (CadenceError, KeyError, AttributeError):
             return []
+        rules = TimestampRules.of(tok) if job.options.get("timestamps") else None
         texts = []
         for index, window in sorted(stored.items()):
-            text = "" if _silent(window) else tok.decode(cut_repetition(window.tokens)).strip()
+            text = "" if _silent(window) else tok.decode(cut_repetition(window.tokens, rules)).strip()
             live.texts[index] = text
             texts.append((index, text))
         return texts

@@ -386,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", choices=("vad", "fixed"), default="vad",
                    help="vad (default): windows of up to 30 s cut where the speaker pauses, silence skipped; "
                         "fixed: every 30 s, as faster-whisper's sequential run without timestamps")
+    p.add_argument("--no-timestamps", dest="timestamps", action="store_false",
+                   help="one segment per window, decoded without time tokens (faster-whisper's without_timestamps); "
+                        "by default the model times each phrase, so segments last a few seconds")
     p.add_argument("--format", choices=FORMATS, default=None, help="txt (default), srt, vtt or json")
     p.add_argument("--json", action="store_true", help="print one JSON list to stdout (no files unless --out DIR)")
     p.add_argument("--out", metavar="DIR", help="write one file per input into DIR ('-': print to stdout; "

@@ -65,7 +65,8 @@ def cmd_transcribe(args) -> int:
             except OSError as exc:
                 raise CadenceError(f"The output folder {out} cannot be created ({exc.strerror or exc}).") from None
         options = {"format": fmt, "out": out if not (args.json and not out) else "-", "overwrite": args.overwrite,
-                   "language": args.language, "task": args.task, "windowing": args.windows}
+                   "language": args.language, "task": args.task, "windowing": args.windows,
+                   "timestamps": args.timestamps}
         ids += [jobs.create(path.absolute(), source.name, options) for path in files]
     if not ids:
         return 0

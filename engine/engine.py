@@ -62,6 +62,7 @@ class TranscribeRequest:
     task: str = "transcribe"
     name: str = ""
     windowing: str = "vad"  # "vad": windows cut in the pauses of speech; "fixed": every 30 s
+    timestamps: bool = False  # True: the model times each phrase (segments of a few seconds), else one per window
     # Resuming: windows finished in an earlier run (index -> WindowResult) are not decoded again.
     done_windows: dict | None = None
     # Called on the engine thread as soon as the plan is made (with the TranscriptionPlan) and as each

@@ -164,7 +164,7 @@ def submit_job(engine, jobs: JobStore, job_id: int):
     request = TranscribeRequest(
         audio=job.path, model=job.model, language=job.language or options.get("language"),
         task=options.get("task", "transcribe"), name=job.path, done_windows=jobs.windows(job_id),
-        windowing=options.get("windowing", "vad"),
+        windowing=options.get("windowing", "vad"), timestamps=bool(options.get("timestamps", False)),
         on_plan=on_plan, on_window=on_window)
     jobs._set(job_id, state="running")
     return engine.submit(request)

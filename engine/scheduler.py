@@ -51,6 +51,8 @@ class Sequence:
     params: SamplingParams = field(default_factory=SamplingParams)
     suppress: torch.Tensor | None = None  # ids never emitted
     begin_suppress: torch.Tensor | None = None  # ids not emitted as the first token
+    # Masks a row's logits given the tokens generated so far (Whisper's time-token rules), in place.
+    rules: Callable[[torch.Tensor, list[int]], object] | None = None
     on_token: Callable[["Sequence", int], bool | None] | None = None  # returns True to stop here
     on_finish: Callable[["Sequence"], None] | None = None
     # Called with the slot on joining; may return a generator of work pieces to run before the prompt.
@@ -320,11 +322,14 @@ class Lane:
         return drafts, ms, self.drafter.cost_levels(max(d for _, d in chosen))
 
     # ------------------------------------------------------------------ step
-    def _mask(self, seq: Sequence, logits: torch.Tensor, first: bool) -> torch.Tensor:
+    def _mask(self, seq: Sequence, logits: torch.Tensor, generated: list[int]) -> torch.Tensor:
+        """What may follow ``generated`` (the sequence's tokens before this row): suppression, then rules."""
         if seq.suppress is not None:
             logits[seq.suppress] = -float("inf")
-        if first and seq.begin_suppress is not None:
+        if not generated and seq.begin_suppress is not None:
             logits[seq.begin_suppress] = -float("inf")
+        if seq.rules is not None:
+            seq.rules(logits, generated)
         return logits
 
     def _verify(self, seq: Sequence, rows: torch.Tensor, draft: list[int]) -> tuple[list[int], int]:
@@ -333,7 +338,7 @@ class Lane:
         without drafting, given the tokens before it; the first disagreement ends the step."""
         emitted, accepted = [], 0
         for i, row in enumerate(rows):
-            row = self._mask(seq, row, first=not seq.tokens and not emitted)
+            row = self._mask(seq, row, seq.tokens + emitted)
             if i < len(draft):
                 token, kept = seq.picker.check(row, draft[i])
             else:

@@ -23,6 +23,7 @@ from engine.scheduler import Sequence
 from engine.transcript import Segment, Transcript
 from engine.whisper_features import FRAMES_PER_SECOND, WINDOW_FRAMES, log_mel, pad_window, windows
 from engine.whisper_reference import WhisperReference, WindowResult
+from engine.whisper_timestamps import TimestampRules
 from engine.whisper_tokens import WhisperTokenizer
 
 WINDOWINGS = ("vad", "fixed")
@@ -47,6 +48,11 @@ class TranscriptionPlan:
     silent: set[int] = field(default_factory=set)  # windows with no sound to speak of: not decoded
     task: str = "transcribe"
     detect_window: np.ndarray | None = None  # the first 30 s, for language detection when none was given
+    timestamps: bool = False  # the model times each phrase (segments of a few seconds), not one per window
+
+    def set_prompt(self, tok: WhisperTokenizer) -> None:
+        """The decoder's prompt for the plan's language, task and timestamps."""
+        self.prompt = tok.sot_sequence(self.language, self.task) + ([] if self.timestamps else [tok.no_timestamps])
 
     def window_times(self) -> list[tuple[float, float]]:
         """(start, end) seconds of each window's audio."""
@@ -103,7 +109,7 @@ def plan_windows(features: np.ndarray, samples: np.ndarray, windowing: str) -> l
 
 def plan_transcription(decoder: WhisperReference, samples: np.ndarray, language: str | None = None,
                        task: str = "transcribe", name: str = "audio", detect: bool = True,
-                       windowing: str = "vad") -> TranscriptionPlan:
+                       windowing: str = "vad", timestamps: bool = False) -> TranscriptionPlan:
     """Features, windows and silent windows of a clip. With ``detect`` False, an undetected language
     stays None (and the prompt empty) for :func:`detect_plan_language` to settle on the model's thread:
     everything else here is plain array work that any thread may do."""
@@ -118,9 +124,10 @@ def plan_transcription(decoder: WhisperReference, samples: np.ndarray, language:
     hop = SAMPLE_RATE // FRAMES_PER_SECOND
     silent = {i for i, (seek, size, _) in enumerate(spans)
               if _rms(samples[seek * hop : (seek + size) * hop]) < SILENCE_RMS}
-    plan = TranscriptionPlan(name, language, [], samples.size / SAMPLE_RATE, spans, started, silent, task)
+    plan = TranscriptionPlan(name, language, [], samples.size / SAMPLE_RATE, spans, started, silent, task,
+                             timestamps=timestamps)
     if language is not None:
-        plan.prompt = tok.sot_sequence(language, task) + [tok.no_timestamps]
+        plan.set_prompt(tok)
         return plan
     if not plan.has_speech:  # nothing will be decoded: no language is reported rather than one guessed from silence
         return plan
@@ -135,7 +142,7 @@ def detect_plan_language(decoder: WhisperReference, plan: TranscriptionPlan) -> 
     """Detect the language from the first window and build the prompt (runs the model)."""
     plan.language, _ = decoder.detect_language(decoder.encode(plan.detect_window))
     plan.detect_window = None
-    plan.prompt = decoder.tok.sot_sequence(plan.language, plan.task) + [decoder.tok.no_timestamps]
+    plan.set_prompt(decoder.tok)
 
 
 def read_plan(ref: WhisperReference, req) -> TranscriptionPlan:
@@ -144,7 +151,7 @@ def read_plan(ref: WhisperReference, req) -> TranscriptionPlan:
     name = str(req.audio) if not isinstance(req.audio, np.ndarray) else (req.name or "audio")
     samples = req.audio if isinstance(req.audio, np.ndarray) else load_audio(req.audio)
     return plan_transcription(ref, samples, req.language, req.task, req.name or name, detect=False,
-                              windowing=req.windowing)
+                              windowing=req.windowing, timestamps=req.timestamps)
 
 
 def _rms(x: np.ndarray) -> float:
@@ -171,22 +178,31 @@ def repetition_start(tokens: list[int]) -> int | None:
     return None
 
 
-def cut_repetition(tokens: list[int]) -> list[int]:
-    """The tokens with a looping tail cut after its first unit."""
-    cut = repetition_start(tokens)
-    return tokens if cut is None else tokens[:cut]
+def cut_repetition(tokens: list[int], rules: TimestampRules | None = None) -> list[int]:
+    """The tokens with a looping tail cut after its first unit. With time tokens (``rules``), the loop is
+    looked for in the text alone (a repeated line gets new times each time) and the cut keeps the times
+    before it."""
+    if rules is None:
+        cut = repetition_start(tokens)
+        return tokens if cut is None else tokens[:cut]
+    text_at = [i for i, t in enumerate(tokens) if t < rules.begin]
+    cut = repetition_start([tokens[i] for i in text_at])
+    return tokens if cut is None else tokens[: text_at[cut]]
 
 
 def assemble_transcript(plan: TranscriptionPlan, tok: WhisperTokenizer, results: list[WindowResult]) -> Transcript:
     """Window results, in window order, into segments; silent windows are skipped, loops cut."""
     segments: list[Segment] = []
+    rules = TimestampRules.of(tok) if plan.timestamps else None
     for (start, end), result in zip(plan.window_times(), results):
         if result.no_speech_prob > NO_SPEECH_THRESHOLD and result.avg_logprob <= LOGPROB_THRESHOLD:
             continue
-        tokens = cut_repetition(result.tokens)
-        text = tok.decode(tokens).strip()
-        if text:
-            segments.append(Segment(start, end, text, list(tokens)))
+        tokens = cut_repetition(result.tokens, rules)
+        phrases = rules.segments(tokens, start, end) if rules else [(start, end, tokens)]
+        for phrase_start, phrase_end, phrase in phrases:
+            text = tok.decode(phrase).strip()
+            if text:
+                segments.append(Segment(phrase_start, phrase_end, text, list(phrase)))
     n_tokens = sum(len(r.tokens) for r in results)
     seconds = time.perf_counter() - plan.started
     return Transcript(
@@ -205,17 +221,19 @@ def assemble_transcript(plan: TranscriptionPlan, tok: WhisperTokenizer, results:
 
 
 def transcribe_samples(decoder: WhisperReference, samples: np.ndarray, language: str | None = None,
-                       task: str = "transcribe", name: str = "audio", windowing: str = "vad") -> Transcript:
-    """Greedy, no timestamps, each window decoded on its own (no previous-text conditioning)."""
-    plan = plan_transcription(decoder, samples, language, task, name, windowing=windowing)
+                       task: str = "transcribe", name: str = "audio", windowing: str = "vad",
+                       timestamps: bool = False) -> Transcript:
+    """Greedy, each window decoded on its own (no previous-text conditioning)."""
+    plan = plan_transcription(decoder, samples, language, task, name, windowing=windowing, timestamps=timestamps)
     results = [plan.silent_result() if i in plan.silent else decoder.decode(decoder.encode(window), plan.prompt)
                for i, (_, _, window) in enumerate(plan.spans)]
     return assemble_transcript(plan, decoder.tok, results)
 
 
 def transcribe_file(decoder: WhisperReference, path: str | Path, language=None, task="transcribe",
-                    windowing: str = "vad") -> Transcript:
-    return transcribe_samples(decoder, load_audio(path), language, task, name=str(path), windowing=windowing)
+                    windowing: str = "vad", timestamps: bool = False) -> Transcript:
+    return transcribe_samples(decoder, load_audio(path), language, task, name=str(path), windowing=windowing,
+                              timestamps=timestamps)
 
 
 def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequence]:
@@ -244,8 +262,11 @@ def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequenc
             transcript.stats["drafting"] = drafting.to_json()
             handle._emit(Event("finished", handle.id, result=transcript))
 
+    rules = TimestampRules.of(ref.tok) if plan.timestamps else None
+
     def on_token(seq, token) -> bool:  # stop a window that has fallen into a repetition loop
-        return len(seq.tokens) >= LOOP_MIN_TOKENS and repetition_start(seq.tokens) is not None
+        text = rules.text_only(seq.tokens) if rules else seq.tokens
+        return len(text) >= LOOP_MIN_TOKENS and repetition_start(text) is not None
 
     def prepare(seq, slot):  # on joining a slot: encode this window into the slot's cross-attention memory,
         # a generator the lane advances: a layer at a time, as the lane finds room (see Lane._prepare)
@@ -274,7 +295,7 @@ def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequenc
                 handle._emit(Event("failed", handle.id, message=message))
                 return
         handle._emit(Event("progress", handle.id, done=len(results), total=len(plan.spans), index=seq.index,
-                           result=window, text=ref.tok.decode(cut_repetition(seq.tokens)).strip()))
+                           result=window, text=ref.tok.decode(cut_repetition(seq.tokens, rules)).strip()))
         finish_if_complete()
 
     seqs = []
@@ -282,7 +303,8 @@ def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequenc
         if index in results:
             continue
         seq = Sequence(list(plan.prompt), decoder.max_len - len(plan.prompt), {ref.tok.eot},
-                       suppress=ref.suppress, begin_suppress=ref.begin_suppress, prepare=prepare,
+                       suppress=ref.suppress, begin_suppress=ref.begin_suppress, rules=rules and rules.apply,
+                       prepare=prepare,
                        on_token=on_token, on_finish=on_finish, probe_row=plan.prompt.index(ref.tok.sot),
                        track_logprob=True, handle=handle, index=index, size=plan.spans[index][1])
         lane.add(seq)

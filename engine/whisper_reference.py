@@ -1,7 +1,7 @@
 """The exact single-stream Whisper decoder: greedy, one 30-second window at a time.
 
 This is the yardstick: small and obvious, built on transformers' Whisper modules, and equal token
-for token to faster-whisper (beam_size=1, temperature=0, without_timestamps) on the same weights.
+for token to faster-whisper (beam_size=1, temperature=0, with or without timestamps) on the same weights.
 Faster paths elsewhere in the engine are tested against it.
 """
 
@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from engine.loading import LoadedModel
+from engine.whisper_timestamps import TimestampRules
 
 MAX_LENGTH = 448  # decoder positions, prompt included
 
@@ -48,6 +49,10 @@ class WhisperReference:
         )
         return self.model.proj_out(out.last_hidden_state)[0].float(), out.cache
 
+    def timestamp_rules(self, prompt: list[int]) -> TimestampRules | None:
+        """The time-token rules when ``prompt`` asks for timestamps (it does not end in <|notimestamps|>)."""
+        return None if prompt[-1] == self.tok.no_timestamps else TimestampRules.of(self.tok)
+
     def no_speech_probability(self, sot_logits: torch.Tensor) -> float:
         """P(no speech) from the logits at the start-of-transcript row."""
         return float(torch.softmax(sot_logits.float(), -1)[self.tok.no_speech])
@@ -68,11 +73,14 @@ class WhisperReference:
         step = logits[-1]
         tokens: list[int] = []
         logprob_sum = 0.0
+        rules = self.timestamp_rules(prompt)
         while len(prompt) + len(tokens) < max_length:
             step = step.clone()
             step[self.suppress] = -float("inf")
             if not tokens:
                 step[self.begin_suppress] = -float("inf")
+            if rules is not None:
+                rules.apply(step, tokens)
             token = int(torch.argmax(step))
             logprob_sum += float(torch.log_softmax(step, -1)[token])
             if token == self.tok.eot:

@@ -55,6 +55,15 @@ def test_transcribe_json_schema_and_partial_failure(speech, tmp_path, tiny):
     assert "finance" in good2["text"].lower()
 
 
+def test_transcribe_times_phrases_unless_told_not_to(speech, tiny):
+    [timed] = json.loads(cadence("transcribe", str(speech["long"]), "--json", check_rc=0).stdout)
+    [windows] = json.loads(cadence("transcribe", str(speech["long"]), "--json", "--no-timestamps", check_rc=0).stdout)
+    spans = [s["end"] - s["start"] for s in timed["segments"]]
+    assert len(spans) >= 6 and max(spans) < 15.0  # phrases of a few seconds (about 45 s of speech)
+    assert len(windows["segments"]) == 2  # one segment per window, as faster-whisper's without_timestamps
+    assert "finance" in timed["text"].lower() and "finance" in windows["text"].lower()
+
+
 def _transcripts(speech, *flags):
     files = [str(speech[n]) for n in ("fox", "report", "budget")]
     proc = cadence("transcribe", *files, "--json", *flags, check_rc=0)

@@ -49,6 +49,30 @@ def test_word_error_rate_is_within_the_limit_and_the_same_batched(model, engine4
         assert alone == text
 
 
+def test_timed_phrases_batched_and_drafted_equal_the_reference(engine4, engine_off, tiny, speech):
+    """With timestamps, the engine (4 slots, drafting, and one slot) writes the reference decoder's
+    tokens, times included, and the segments are the phrases: a few seconds each, in order."""
+    from engine.transcribe import transcribe_file
+    from engine.whisper_reference import WhisperReference
+
+    reference = WhisperReference(tiny)
+    for name in ("long", "fox", "weather"):
+        want = transcribe_file(reference, speech[name], language="en", timestamps=True)
+        for engine in (engine4, engine_off):
+            got = engine.submit(TranscribeRequest(speech[name], model="whisper-tiny.en", language="en",
+                                                  timestamps=True)).result(600)
+            assert [(s.start, s.end, s.tokens) for s in got.segments] == \
+                   [(s.start, s.end, s.tokens) for s in want.segments], f"{name} differs from the reference"
+        times = [(s.start, s.end) for s in want.segments]
+        assert all(0 <= a < b <= want.duration + 1e-6 for a, b in times)
+        assert all(b1 <= a2 for (_, b1), (a2, _) in zip(times, times[1:]))
+        parts = ("fox", "report", "budget", "weather", "fox", "report") if name == "long" else (name,)
+        known = " ".join(SPEECH[p][2] for p in parts)
+        assert word_error_rate(known, want.text) <= WER_LIMIT["whisper-tiny.en"], want.text
+    long = transcribe_file(reference, speech["long"], language="en", timestamps=True)
+    assert len(long.segments) >= 6 and max(b - a for a, b in [(s.start, s.end) for s in long.segments]) < 15.0
+
+
 def test_an_hour_of_speech(engine4, session_dir):
     """One hour of generated speech (a minute of varied sentences, sixty times), about 120 windows."""
     folder = session_dir / "hour"

@@ -5,8 +5,9 @@ from faster_whisper import WhisperModel
 from parity import clip_timestamps
 
 from engine.audio import load_audio
-from engine.transcribe import transcribe_file
+from engine.transcribe import plan_transcription, transcribe_file
 from engine.whisper_reference import WhisperReference
+from engine.whisper_timestamps import TimestampRules
 
 FW_OPTIONS = dict(beam_size=1, temperature=0, without_timestamps=True, condition_on_previous_text=False)
 
@@ -48,6 +49,32 @@ def test_token_parity_with_faster_whisper(model_name, request, speech, ct2_folde
     assert first.end <= second.start and all(s.end - s.start <= 30.0 for s in by_vad.segments)
     assert 20.0 < second.start < long.duration - 1.0
     assert "finance" in _words(by_vad.text)
+
+
+@pytest.mark.parametrize("model_name", ["whisper-tiny.en", "whisper-base"])
+def test_timestamp_tokens_match_ctranslate2_on_the_same_windows(model_name, request, speech, ct2_folder):
+    """With timestamps, each window's tokens (times included) are the ones faster-whisper's decoder
+    (CTranslate2's generate, with its time-token rules) writes for the same features and prompt."""
+    import ctranslate2
+
+    loaded = request.getfixturevalue("tiny" if model_name == "whisper-tiny.en" else "base")
+    ours = WhisperReference(loaded)
+    rules = TimestampRules.of(ours.tok)
+    theirs = WhisperModel(str(ct2_folder(model_name)), device="cpu", compute_type="float32").model
+    times = 0
+    for name in ("fox", "report", "budget", "long"):
+        plan = plan_transcription(ours, load_audio(speech[name]), timestamps=True)
+        assert plan.prompt[-1] != ours.tok.no_timestamps
+        for _, _, window in plan.spans:
+            got = ours.decode(ours.encode(window), plan.prompt).tokens
+            [result] = theirs.generate(ctranslate2.StorageView.from_array(window[None]), [plan.prompt], beam_size=1,
+                                       max_length=448, suppress_blank=True, suppress_tokens=ours.suppress.tolist(),
+                                       max_initial_timestamp_index=50)
+            expected = [t for t in result.sequences_ids[0] if t != ours.tok.eot]
+            assert got == expected, f"{model_name} differs from CTranslate2 on {name} with timestamps"
+            assert got[0] >= rules.begin  # a window starts with its first time
+            times += sum(t >= rules.begin for t in got)
+    assert times >= 12  # phrases were timed, not one stretch per window
 
 
 def test_multilingual_detects_language_and_matches(base, speech, ct2_folder):
