@@ -24,11 +24,14 @@ decoding is batched, Cadence runs every window through the encoder once.
 Caution on WER: greedy decoding without timestamps on a full 30-s window of dense speech often
 stops after the first sentence or two (both Cadence's fixed windows and faster-whisper's
 without_timestamps run do), so the 2-minute files lose most of their words; ``--fw-timestamps``
-gives the sequential run faster-whisper's timestamp seeking, the fair yardstick once Cadence's
-long-form (timestamped) windows are in.
+gives the sequential run faster-whisper's timestamp seeking.
+
+With time tokens (what the CLI and the app decode by default): ``--engines cadence-ts,fw-batched-ts``
+compares Cadence on its voice-activity windows with faster-whisper's batched pipeline, each chunk
+decoded with timestamps (``without_timestamps=False``).
 
     .venv/bin/python bench/transcription.py [--models whisper-tiny.en,whisper-base] [--files 16]
-        [--base 4] [--width 8|auto] [--fw-batch 8] [--engines cadence,fw,fw-batched]
+        [--base 4] [--width 8|auto] [--fw-batch 8] [--engines cadence,cadence-fixed,fw,fw-batched]
         [--fw-timestamps] [--per-file] [--quick]
 
 Run it on a quiet machine (another PyTorch process on the same cores slows both many times over).
@@ -201,13 +204,14 @@ class Run:
     errors: list[str] = field(default_factory=list)
 
 
-def run_cadence(model: str, paths: list[Path], width, windowing: str = "vad") -> Run:
+def run_cadence(model: str, paths: list[Path], width, windowing: str = "vad", timestamps: bool = False) -> Run:
     from engine.engine import Engine, TranscribeRequest
 
     start = time.perf_counter()
     engine = Engine(backend="cpu", batch=width)
     try:
-        handles = [engine.submit(TranscribeRequest(audio=p, model=model, language="en", windowing=windowing)) for p in paths]
+        handles = [engine.submit(TranscribeRequest(audio=p, model=model, language="en", windowing=windowing,
+                                                       timestamps=timestamps)) for p in paths]
         run = Run(0.0)
         for h in handles:
             try:
@@ -229,8 +233,10 @@ FW_OPTIONS = dict(language="en", beam_size=1, temperature=0.0, without_timestamp
 SEQUENTIAL_OPTIONS: dict = {}  # --fw-timestamps: the sequential run seeks by timestamps (long-form)
 
 
-def run_faster_whisper(model: str, paths: list[Path], folder: Path, threads: int, batched: int) -> Run:
-    """faster-whisper from a fresh model (start-up included), on a thread of its own."""
+def run_faster_whisper(model: str, paths: list[Path], folder: Path, threads: int, batched: int,
+                       timestamps: bool = False) -> Run:
+    """faster-whisper from a fresh model (start-up included), on a thread of its own. ``timestamps``: the
+    batched pipeline decodes each chunk with time tokens (``without_timestamps=False``)."""
 
     def work():
         from bench.common import faster_whisper_model
@@ -243,7 +249,8 @@ def run_faster_whisper(model: str, paths: list[Path], folder: Path, threads: int
             pipeline = BatchedInferencePipeline(fw)
 
             def transcribe(p):
-                return pipeline.transcribe(str(p), batch_size=batched, **FW_OPTIONS)[0]
+                return pipeline.transcribe(str(p), batch_size=batched,
+                                           **{**FW_OPTIONS, "without_timestamps": not timestamps})[0]
         else:
             def transcribe(p):
                 return fw.transcribe(str(p), **{**FW_OPTIONS, **SEQUENTIAL_OPTIONS})[0]
@@ -291,7 +298,9 @@ def main() -> None:
     parser.add_argument("--width", default="8", help="Cadence's lane width: a number or auto (default 8)")
     parser.add_argument("--fw-batch", type=int, default=8, help="BatchedInferencePipeline batch size")
     parser.add_argument("--quick", action="store_true", help="a dry run: batch files of 5 to 20 s only")
-    parser.add_argument("--engines", default="cadence,cadence-fixed,fw,fw-batched")
+    parser.add_argument("--engines", default="cadence,cadence-fixed,fw,fw-batched",
+                        help="any of cadence, cadence-fixed, fw, fw-batched, and with time tokens: cadence-ts "
+                             "(voice-activity windows, the CLI's and app's default) and fw-batched-ts")
     parser.add_argument("--fw-timestamps", action="store_true",
                         help="faster-whisper sequential with timestamps (its long-form seeking: windows end at the "
                              "last timestamp) instead of without_timestamps=True; the batched pipeline is unchanged")
@@ -314,6 +323,7 @@ def main() -> None:
         batch = make_clips(work, batch_durations(args.files, 5.0, longest), seed=2, prefix="file")
         speech_s = sum(c.seconds for c in batch)
         n_windows = {"cadence": window_count(batch, "vad"), "cadence-fixed": window_count(batch, "fixed")}
+        n_windows["cadence-ts"] = n_windows["cadence"]
         print(f"torch {torch.__version__}, {threads} threads; Cadence width {width}; faster-whisper cpu_threads "
               f"{threads}; speech made in {time.perf_counter() - t0:.1f} s")
         print(f"faster-whisper options: {FW_OPTIONS}" + (f", sequential run: {SEQUENTIAL_OPTIONS}" if SEQUENTIAL_OPTIONS
@@ -328,7 +338,10 @@ def main() -> None:
 
         names = {"cadence": f"Cadence engine (width {width}, voice-activity windows)",
                  "cadence-fixed": f"Cadence engine (width {width}, fixed 30-s windows)", "fw": "faster-whisper sequential",
-                 "fw-batched": f"faster-whisper BatchedInferencePipeline (batch {args.fw_batch}, VAD chunks)"}
+                 "fw-batched": f"faster-whisper BatchedInferencePipeline (batch {args.fw_batch}, VAD chunks)",
+                 "cadence-ts": f"Cadence engine (width {width}, voice-activity windows, timestamps)",
+                 "fw-batched-ts": f"faster-whisper BatchedInferencePipeline (batch {args.fw_batch}, VAD chunks, "
+                                  "timestamps)"}
         rows, raw, floors, per_file = [], [], [], []
         for model in models:
             results = {}
@@ -336,9 +349,11 @@ def main() -> None:
                 folder = work / f"ct2-{model}"
 
                 def go(paths, eng=eng, model=model, folder=folder):
+                    timed = eng.endswith("-ts")
                     if eng.startswith("cadence"):
-                        return run_cadence(model, paths, width, "fixed" if eng == "cadence-fixed" else "vad")
-                    return run_faster_whisper(model, paths, folder, threads, args.fw_batch if eng == "fw-batched" else 0)
+                        return run_cadence(model, paths, width, "fixed" if eng == "cadence-fixed" else "vad", timed)
+                    return run_faster_whisper(model, paths, folder, threads,
+                                              args.fw_batch if eng.startswith("fw-batched") else 0, timed)
 
                 go([base[0].path])  # throw-away: one-time costs of the process
                 small = go([c.path for c in base])
@@ -357,7 +372,7 @@ def main() -> None:
                 r = results[eng]
                 speed = f"{reference.seconds / r.seconds:.2f}x" if reference and r.seconds > 0 else "—"
                 error_rate = corpus_wer(zip([c.text for c in batch], r.texts))
-                same = "—" if eng == "fw" or not reference else \
+                same = "—" if eng == "fw" or eng.endswith("-ts") or not reference else \
                     f"{sum(a == b for a, b in zip(r.tokens, reference.tokens))}/{len(batch)}"
                 failed = f" ({len(r.errors)} failed: {r.errors[0]})" if r.errors else ""
                 rows.append(f"| {model} | {names[eng]} | {r.seconds:.2f} | {speed} | {100 * error_rate:.1f}% | "
