@@ -182,7 +182,10 @@ def test_ctrl_c_cancels_and_exits_130(smollm, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "engine", "chat", "Write a long story about a dragon.",
                              "--max-tokens", "2000", "--batch", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, CADENCE_DATA_DIR=str(tmp_path)))
+                            env=dict(os.environ, CADENCE_DATA_DIR=str(tmp_path)),
+                            # As from a terminal: a suite started in the background (`make test &`) passes
+                            # its children an ignored SIGINT, and Ctrl-C would then never reach the CLI.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         shown = proc.stdout.read(1)  # the answer has started streaming
         assert shown
