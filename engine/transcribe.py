@@ -23,7 +23,7 @@ from engine.scheduler import Sequence
 from engine.transcript import Segment, Transcript
 from engine.whisper_features import FRAMES_PER_SECOND, WINDOW_FRAMES, log_mel, pad_window, windows
 from engine.whisper_reference import WhisperReference, WindowResult
-from engine.whisper_timestamps import TimestampRules
+from engine.whisper_timestamps import TIME_PRECISION, TimestampRules
 from engine.whisper_tokens import WhisperTokenizer
 
 WINDOWINGS = ("vad", "fixed")
@@ -33,6 +33,8 @@ LOOP_MAX_PERIOD = 16  # longest repeating unit looked for, in tokens
 SILENCE_RMS = 10 ** (-60 / 20)  # a window quieter than -60 dBFS RMS is not decoded at all
 NO_SPEECH_THRESHOLD = 0.6  # skip a window the model calls silent ...
 LOGPROB_THRESHOLD = -1.0  # ... unless its words were confident anyway (faster-whisper's defaults)
+FOLLOW_UP_MIN_S = 0.5  # with timestamps, the rest of a window the model left is decoded if at least this long
+MAX_PARTS = 8  # ... in at most this many parts per window
 
 
 @dataclass
@@ -154,6 +156,26 @@ def read_plan(ref: WhisperReference, req) -> TranscriptionPlan:
                               windowing=req.windowing, timestamps=req.timestamps)
 
 
+def follow_up(plan: TranscriptionPlan, rules: TimestampRules | None, index: int, tokens: list[int], part: list[int],
+              parts: int) -> tuple[int, np.ndarray] | None:
+    """Where the decoding of window ``index`` goes on, and the features to decode there, or None.
+
+    With timestamps the model often stops at a phrase boundary before the window's end, leaving the
+    rest for the next window (faster-whisper's sequential run seeks back to that time). Cadence's
+    windows are decoded side by side, so the rest of the window is decoded as a follow-up part instead
+    and joined on (``tokens``: the window's tokens so far; ``part``: the last part's). Returns (time steps
+    from the window's start, padded features of the rest) while at least FOLLOW_UP_MIN_S of the window
+    is left, for up to MAX_PARTS parts."""
+    if rules is None or parts >= MAX_PARTS or rules.resume_point(part) is None:
+        return None
+    steps = rules.resume_point(tokens)  # the joined tokens end on the same pair, on the window's clock
+    _, size, window = plan.spans[index]
+    frames = round(steps * TIME_PRECISION * FRAMES_PER_SECOND)
+    if (size - frames) / FRAMES_PER_SECOND < FOLLOW_UP_MIN_S:
+        return None
+    return steps, pad_window(window[:, frames:size])
+
+
 def _rms(x: np.ndarray) -> float:
     return float(np.sqrt(np.mean(np.square(x, dtype=np.float64)))) if x.size else 0.0
 
@@ -225,8 +247,19 @@ def transcribe_samples(decoder: WhisperReference, samples: np.ndarray, language:
                        timestamps: bool = False) -> Transcript:
     """Greedy, each window decoded on its own (no previous-text conditioning)."""
     plan = plan_transcription(decoder, samples, language, task, name, windowing=windowing, timestamps=timestamps)
-    results = [plan.silent_result() if i in plan.silent else decoder.decode(decoder.encode(window), plan.prompt)
-               for i, (_, _, window) in enumerate(plan.spans)]
+    rules = TimestampRules.of(decoder.tok) if plan.timestamps else None
+    results = []
+    for i, (_, _, window) in enumerate(plan.spans):
+        if i in plan.silent:
+            results.append(plan.silent_result())
+            continue
+        head = decoder.decode(decoder.encode(window), plan.prompt)
+        tokens, part, parts = head.tokens, head.tokens, 1
+        while (rest := follow_up(plan, rules, i, tokens, part, parts)) is not None:
+            steps, features = rest
+            part = decoder.decode(decoder.encode(features), plan.prompt).tokens
+            tokens, parts = rules.join(tokens, part, steps), parts + 1
+        results.append(WindowResult(tokens, head.no_speech_prob, head.avg_logprob))
     return assemble_transcript(plan, decoder.tok, results)
 
 
@@ -268,11 +301,24 @@ def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequenc
         text = rules.text_only(seq.tokens) if rules else seq.tokens
         return len(text) >= LOOP_MIN_TOKENS and repetition_start(text) is not None
 
+    features: dict[Sequence, np.ndarray] = {}  # what each sequence decodes: a window, or the rest of one
+    parts: dict[int, tuple[list[int], WindowResult, int, int]] = {}  # window -> (tokens, head, parts, steps)
+
     def prepare(seq, slot):  # on joining a slot: encode this window into the slot's cross-attention memory,
         # a generator the lane advances: a layer at a time, as the lane finds room (see Lane._prepare)
-        window = torch.from_numpy(plan.spans[seq.index][2])[None].to(decoder.device, decoder.cross_k.dtype)
+        window = torch.from_numpy(features.pop(seq))[None].to(decoder.device, decoder.cross_k.dtype)
         encoded = yield from decoder.encode_in_steps(window)
         decoder.set_memory(slot, encoded[0])
+
+    def add(index: int, window: np.ndarray, size: int) -> None:
+        seq = Sequence(list(plan.prompt), decoder.max_len - len(plan.prompt), {ref.tok.eot},
+                       suppress=ref.suppress, begin_suppress=ref.begin_suppress, rules=rules and rules.apply,
+                       prepare=prepare, on_token=on_token, on_finish=on_finish,
+                       probe_row=plan.prompt.index(ref.tok.sot), track_logprob=True, handle=handle, index=index,
+                       size=size)
+        features[seq] = window
+        lane.add(seq)
+        seqs.append(seq)
 
     def on_finish(seq):
         if handle._final is not None:  # the request already failed or was cancelled
@@ -281,8 +327,20 @@ def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequenc
             handle._emit(Event("failed", handle.id, message=f"{plan.name}: transcription was cancelled."))
             return
         drafting.merge(seq.draft_counts)
-        window = WindowResult(seq.tokens, ref.no_speech_probability(seq.probe_logits),
-                              seq.logprob_sum / (len(seq.tokens) + 1))
+        if seq.index in parts:  # the rest of a window, decoded after its first part
+            tokens, head, count, steps = parts.pop(seq.index)
+            tokens, count = rules.join(tokens, seq.tokens, steps), count + 1
+        else:
+            head = WindowResult(seq.tokens, ref.no_speech_probability(seq.probe_logits),
+                                seq.logprob_sum / (len(seq.tokens) + 1))
+            tokens, count = seq.tokens, 1
+        rest = follow_up(plan, rules, seq.index, tokens, seq.tokens, count)
+        if rest is not None:  # the model left the rest of the window: decode it as a part of its own
+            steps, window_rest = rest
+            parts[seq.index] = (tokens, head, count, steps)
+            add(seq.index, window_rest, plan.spans[seq.index][1] - round(steps * TIME_PRECISION * FRAMES_PER_SECOND))
+            return
+        window = WindowResult(tokens, head.no_speech_prob, head.avg_logprob)
         results[seq.index] = window
         if req.on_window:
             try:  # the caller's record of a window (the job store) failing ends this file, not the lane
@@ -295,19 +353,12 @@ def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequenc
                 handle._emit(Event("failed", handle.id, message=message))
                 return
         handle._emit(Event("progress", handle.id, done=len(results), total=len(plan.spans), index=seq.index,
-                           result=window, text=ref.tok.decode(cut_repetition(seq.tokens, rules)).strip()))
+                           result=window, text=ref.tok.decode(cut_repetition(window.tokens, rules)).strip()))
         finish_if_complete()
 
     seqs = []
-    for index in range(len(plan.spans)):
-        if index in results:
-            continue
-        seq = Sequence(list(plan.prompt), decoder.max_len - len(plan.prompt), {ref.tok.eot},
-                       suppress=ref.suppress, begin_suppress=ref.begin_suppress, rules=rules and rules.apply,
-                       prepare=prepare,
-                       on_token=on_token, on_finish=on_finish, probe_row=plan.prompt.index(ref.tok.sot),
-                       track_logprob=True, handle=handle, index=index, size=plan.spans[index][1])
-        lane.add(seq)
-        seqs.append(seq)
+    for index, (_, size, window) in enumerate(plan.spans):
+        if index not in results:
+            add(index, window, size)
     finish_if_complete()  # every window was done in an earlier run
     return seqs

@@ -63,6 +63,20 @@ class TimestampRules:
                 logits[: self.begin] = inf
         return logits
 
+    def resume_point(self, tokens: Sequence[int]) -> int | None:
+        """Where, in time steps from the start of what was decoded, the model left off when it ended on a
+        pair of times (a phrase closed and the next one opened but left for a next window, as it does
+        when it expects the decoding to go on from there); None when it ended otherwise."""
+        if len(tokens) >= 2 and tokens[-1] >= self.begin and tokens[-2] >= self.begin:
+            return tokens[-1] - self.begin
+        return None
+
+    def join(self, first: Sequence[int], rest: Sequence[int], steps: int) -> list[int]:
+        """``first`` (ending on a pair of times) continued by ``rest``, which was decoded from ``steps`` time
+        steps after first's start: the pair's opening time gives way to rest's own, and rest's times are
+        moved onto first's clock."""
+        return list(first[:-1]) + [min(t + steps, self.end) if t >= self.begin else t for t in rest]
+
     def text_only(self, tokens: Sequence[int]) -> list[int]:
         return [t for t in tokens if t < self.begin]
 
