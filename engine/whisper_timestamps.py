@@ -73,9 +73,10 @@ class TimestampRules:
 
     def join(self, first: Sequence[int], rest: Sequence[int], steps: int) -> list[int]:
         """``first`` (ending on a pair of times) continued by ``rest``, which was decoded from ``steps`` time
-        steps after first's start: the pair's opening time gives way to rest's own, and rest's times are
-        moved onto first's clock."""
-        return list(first[:-1]) + [min(t + steps, self.end) if t >= self.begin else t for t in rest]
+        steps after first's start, with rest's times moved onto first's clock. Every decoded token is kept
+        (the pair's opening time is then followed by rest's own, which :meth:`segments` reads as the
+        phrase's start)."""
+        return list(first) + [min(t + steps, self.end) if t >= self.begin else t for t in rest]
 
     def text_only(self, tokens: Sequence[int]) -> list[int]:
         return [t for t in tokens if t < self.begin]

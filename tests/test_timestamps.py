@@ -61,7 +61,7 @@ def test_the_rest_of_a_window_left_by_the_model_is_a_follow_up_part():
     assert steps == 300 and np.array_equal(rest, pad_window(window[:, 600:size]))
     second = [t(0.4), 2, t(3.0), t(3.0)]  # decoded from 6 s: its times are 6 s behind the window's
     joined = RULES.join(first, second, steps)
-    assert joined == [t(0), 1, t(6.0), t(6.4), 2, t(9.0), t(9.0)]
+    assert joined == [t(0), 1, t(6.0), t(6.0), t(6.4), 2, t(9.0), t(9.0)]  # every decoded token kept
     assert follow_up(plan, RULES, 0, joined, second, 2)[0] == 450  # the next part starts at 9 s
     assert RULES.segments(joined, 0.0, 20.0) == [(0.0, 6.0, [1]), (6.4, 9.0, [2])]
     # Nothing to follow: a single closing time, too little left, too many parts, or no timestamps.
