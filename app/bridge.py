@@ -27,7 +27,7 @@ from engine.conversations import Conversations, Reply, coalesce, drain
 from engine.engine import Engine
 from engine.errors import CadenceError, record_fault
 from engine.jobs import JobStore, settle_job, submit_job
-from engine.transcribe import LOGPROB_THRESHOLD, NO_SPEECH_THRESHOLD, cut_repetition
+from engine.transcribe import LOGPROB_THRESHOLD, NO_SPEECH_THRESHOLD, cut_repetition, window_segments
 from engine.whisper_timestamps import TimestampRules
 
 from app.settings import EngineChoice, Settings
@@ -87,6 +87,9 @@ class LiveJob:
     total: int = 0
     remove_when_ended: bool = False
     texts: dict[int, str] = field(default_factory=dict)  # window index -> its text, as each window finishes
+    # window index -> its timed phrases (start s, end s, text), when the job decodes with timestamps
+    phrases: dict[int, list[tuple[float, float, str]]] = field(default_factory=dict)
+    timestamps: bool = False
     window_times: list = field(default_factory=list)  # (start, end) seconds of each window, once planned
     duration: float | None = None  # seconds of audio, once the engine has read the file
 
@@ -113,6 +116,7 @@ class EngineBridge(QObject):
     jobs_added = Signal(list)  # the Jobs just queued
     job_progress = Signal(int, int, int)  # job id, windows done, windows in all
     job_text = Signal(int, int, str)  # job id, window index, that window's text (as each one finishes)
+    job_phrases = Signal(int, int, object)  # job id, window index, its timed phrases (before its job_text)
     reply_update = Signal(int, int, str, float)  # conversation id, answer id, text so far, tokens/s
     reply_ended = Signal(int, int, str)  # conversation id, answer id, error sentence ('' when it ended well)
     status_changed = Signal(dict)  # Engine.status() plus "labels": request id -> what it is
@@ -276,7 +280,8 @@ class EngineBridge(QObject):
             with self._engine_lock:
                 handle = submit_job(self.engine, self.jobs, job_id)
                 with self._lock:
-                    self.live_jobs[job_id] = LiveJob(job_id, handle, job.model, Path(job.path).name, job.path)
+                    self.live_jobs[job_id] = LiveJob(job_id, handle, job.model, Path(job.path).name, job.path,
+                                                     timestamps=bool(job.options.get("timestamps")))
         except CadenceError as exc:  # e.g. the file is gone: recorded as the job's error
             if self.jobs.get(job_id).state != "failed":
                 self.jobs.failed(job_id, str(exc))
@@ -391,13 +396,18 @@ class EngineBridge(QObject):
                     earlier = self._earlier_windows(live, event.done)
                     self.job_progress.emit(live.job_id, live.done, live.total)
                     for index, text in earlier:
+                        if index in live.phrases:
+                            self.job_phrases.emit(live.job_id, index, live.phrases[index])
                         self.job_text.emit(live.job_id, index, text)
                 elif event.kind == "progress":
                     live.done, live.total = event.done, event.total
                     self.job_progress.emit(live.job_id, live.done, live.total)
                     if event.index >= 0:  # one more window finished: its text, as the transcript will have it
                         text = "" if _silent(event.result) else (event.text or "")
+                        self._note_phrases(live, event.index, None if _silent(event.result) else event.result)
                         live.texts[event.index] = text
+                        if event.index in live.phrases:  # carried by the signal: the job may have ended by then
+                            self.job_phrases.emit(live.job_id, event.index, live.phrases[event.index])
                         self.job_text.emit(live.job_id, event.index, text)
                 elif event.terminal:
                     self._settle(live)
@@ -419,9 +429,22 @@ class EngineBridge(QObject):
         texts = []
         for index, window in sorted(stored.items()):
             text = "" if _silent(window) else tok.decode(cut_repetition(window.tokens, rules)).strip()
+            self._note_phrases(live, index, None if _silent(window) else window)
             live.texts[index] = text
             texts.append((index, text))
         return texts
+
+    def _note_phrases(self, live: LiveJob, index: int, window) -> None:
+        """A finished window's timed phrases, for the live view (jobs decoded with timestamps)."""
+        if not live.timestamps or window is None or index >= len(live.window_times):
+            return
+        try:
+            tok = self.engine.reference(live.model).tok
+        except (KeyError, AttributeError):
+            return
+        start, end = live.window_times[index]
+        live.phrases[index] = [(s.start, s.end, s.text)
+                               for s in window_segments(tok, TimestampRules.of(tok), window.tokens, start, end)]
 
     def _settle(self, live: LiveJob) -> None:
         """Record how a job ended and write its output files; the row changes once."""

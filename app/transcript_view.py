@@ -48,6 +48,7 @@ class TranscriptView(QWidget):
         self.live_job: int | None = None  # a job in flight shown as its windows finish (no final result yet)
         self.live_texts: dict[int, str] = {}  # its windows' text so far, by window index
         self.live_times: list = []  # (start, end) seconds of its windows, from the engine's plan
+        self.live_phrases: dict[int, list] = {}  # its windows' timed phrases, where it decodes with timestamps
         self.live_progress = (0, 0)  # its windows done, of all
         self.player = Player()
 
@@ -92,6 +93,7 @@ class TranscriptView(QWidget):
         layout.addLayout(buttons)
         layout.addWidget(self.note)
         self._enable(False)
+        bridge.job_phrases.connect(self._on_window_phrases)
         bridge.job_text.connect(self._on_window_text)
         bridge.job_progress.connect(self._on_progress)
         bridge.job_changed.connect(self._on_job_changed)
@@ -134,7 +136,8 @@ class TranscriptView(QWidget):
 
     # ------------------------------------------------------------------ a file still being transcribed
     def _show_partial(self, job_id: int) -> None:
-        """The windows of a job in flight finished so far, each timed by its window."""
+        """The windows of a job in flight finished so far: each one's timed phrases (with timestamps), else
+        the window's text timed by the window."""
         live = self.bridge.live_jobs.get(job_id)
         first = self.live_job != job_id
         if first:
@@ -144,6 +147,7 @@ class TranscriptView(QWidget):
             self.live_progress = (live.done, live.total)
             self.live_name, self.live_duration = live.name, live.duration
             self.live_times = list(live.window_times)
+            self.live_phrases = dict(live.phrases)
             self.search.clear()
             self.note.setText("Click a line to play the recording from there.")
         elif live is not None:
@@ -156,14 +160,21 @@ class TranscriptView(QWidget):
         self.title.setText(f"<b>{self.live_name}</b> — transcribing ({progress}"
                            + (f", {clock(duration)}" if duration else "") + "); the text fills in as each window"
                            " is decoded.")
-        rows = [(i, t) for i, t in sorted(self.live_texts.items()) if t]
-        self.table.setRowCount(len(rows))
-        for r, (index, text) in enumerate(rows):
+        rows = []  # (start, end, text): a finished window's timed phrases, else the window itself
+        for index, text in sorted(self.live_texts.items()):
+            if not text:
+                continue
+            if self.live_phrases.get(index):
+                rows += self.live_phrases[index]
+                continue
             if index < len(self.live_times):
                 start, end = self.live_times[index]
             else:
                 start = index * WINDOW_SECONDS
                 end = start + WINDOW_SECONDS if duration is None else min(start + WINDOW_SECONDS, duration)
+            rows.append((start, end, text))
+        self.table.setRowCount(len(rows))
+        for r, (start, end, text) in enumerate(rows):
             for j, value in enumerate((clock(start), clock(end), text)):
                 item = QTableWidgetItem(value)
                 item.setData(Qt.UserRole, float(start))
@@ -172,6 +183,10 @@ class TranscriptView(QWidget):
         self._apply_search(self.search.text())
         self._enable(False)
         self.search.setEnabled(True)
+
+    def _on_window_phrases(self, job_id: int, index: int, phrases: list) -> None:
+        if job_id == self.live_job:
+            self.live_phrases[index] = list(phrases)
 
     def _on_window_text(self, job_id: int, index: int, text: str) -> None:
         if job_id == self.live_job:

@@ -212,6 +212,20 @@ def cut_repetition(tokens: list[int], rules: TimestampRules | None = None) -> li
     return tokens if cut is None else tokens[: text_at[cut]]
 
 
+def window_segments(tok: WhisperTokenizer, rules: TimestampRules | None, tokens: list[int], start: float,
+                    end: float) -> list[Segment]:
+    """One window's segments (``start``..``end`` s of the file), loops cut: its timed phrases with
+    ``rules`` (timestamps), else the window as one segment."""
+    tokens = cut_repetition(tokens, rules)
+    phrases = rules.segments(tokens, start, end) if rules else [(start, end, tokens)]
+    segments = []
+    for phrase_start, phrase_end, phrase in phrases:
+        text = tok.decode(phrase).strip()
+        if text:
+            segments.append(Segment(phrase_start, phrase_end, text, list(phrase)))
+    return segments
+
+
 def assemble_transcript(plan: TranscriptionPlan, tok: WhisperTokenizer, results: list[WindowResult]) -> Transcript:
     """Window results, in window order, into segments; silent windows are skipped, loops cut."""
     segments: list[Segment] = []
@@ -219,12 +233,7 @@ def assemble_transcript(plan: TranscriptionPlan, tok: WhisperTokenizer, results:
     for (start, end), result in zip(plan.window_times(), results):
         if result.no_speech_prob > NO_SPEECH_THRESHOLD and result.avg_logprob <= LOGPROB_THRESHOLD:
             continue
-        tokens = cut_repetition(result.tokens, rules)
-        phrases = rules.segments(tokens, start, end) if rules else [(start, end, tokens)]
-        for phrase_start, phrase_end, phrase in phrases:
-            text = tok.decode(phrase).strip()
-            if text:
-                segments.append(Segment(phrase_start, phrase_end, text, list(phrase)))
+        segments += window_segments(tok, rules, result.tokens, start, end)
     n_tokens = sum(len(r.tokens) for r in results)
     seconds = time.perf_counter() - plan.started
     return Transcript(

@@ -166,21 +166,26 @@ def test_a_file_being_transcribed_shows_each_window_as_it_finishes(qtbot, app_ho
     wait_jobs_settled(qtbot, window)
 
     assert sorted(index for index, *_ in seen) == [0, 1] and all(text for _, text, *_ in seen)
-    first_index, first_text, first_message, first_lines, first_bar, _ = seen[0]
-    assert first_message == first_text and first_lines == [first_text]  # the row and the viewer, before the file ended
+    job = window.bridge.jobs.get(job_id)
+    phrases = job.result["segments"]  # the phrases the model timed, not the two windows
+    assert len(phrases) > 2 and " ".join(p["text"] for p in phrases) == job.result["text"]
+    first, end0, second, end1 = clip_timestamps(speech["long"])  # the second window starts in a pause, wherever it is
+    assert 20 <= second
+    spans = {0: (first, end0), 1: (second, end1)}
+    first_index, first_text, first_message, first_lines, first_bar, first_starts = seen[0]
+    # Before the file ended, the row showed the first finished window's text and the viewer its timed phrases.
+    in_first = [p for p in phrases if spans[first_index][0] <= p["start"] < spans[first_index][1]]
+    assert first_message == first_text and first_lines == [p["text"] for p in in_first] and len(in_first) > 1
+    assert first_starts == [clock(p["start"]) for p in in_first]
     assert first_bar == (50, "50% (1/2)")  # the bar moved with the first window, not only at the end
     by_index = dict((index, text) for index, text, *_ in seen)
-    assert seen[1][2] == f"{by_index[0]} {by_index[1]}" and seen[1][3] == [by_index[0], by_index[1]]  # in time order
-    job = window.bridge.jobs.get(job_id)
+    assert seen[1][2] == f"{by_index[0]} {by_index[1]}"  # the row: both windows, in time order
+    assert seen[1][3] == [p["text"] for p in phrases] and seen[1][5] == [clock(p["start"]) for p in phrases]
     assert job.state == "done" and job.result["text"] == f"{by_index[0]} {by_index[1]}"
     # The finished transcript replaced the live lines in the viewer; the row shows the finished figures.
     assert not view.partial and view.result == job.result and view.export_button.isEnabled()
-    phrases = job.result["segments"]  # the phrases the model timed, not the two windows
     assert [view.table.item(r, 2).text() for r in range(view.table.rowCount())] == [p["text"] for p in phrases]
-    assert len(phrases) > 2 and " ".join(p["text"] for p in phrases) == job.result["text"]
     assert view.table.item(1, 0).text() == clock(phrases[1]["start"])
-    first, _, second, _ = clip_timestamps(speech["long"])  # the second window starts in a pause, wherever it is
-    assert 20 <= second and seen[1][5] == [clock(first), clock(second)]  # the live lines were timed by their windows
     assert _row_of(window, "long.wav")[MESSAGE].endswith("real time") and queue.progress_of(job_id) == (100, "100%")
 
 
