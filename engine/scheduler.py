@@ -322,14 +322,15 @@ class Lane:
         return drafts, ms, self.drafter.cost_levels(max(d for _, d in chosen))
 
     # ------------------------------------------------------------------ step
-    def _mask(self, seq: Sequence, logits: torch.Tensor, generated: list[int]) -> torch.Tensor:
-        """What may follow ``generated`` (the sequence's tokens before this row): suppression, then rules."""
+    def _mask(self, seq: Sequence, logits: torch.Tensor, emitted: list[int]) -> torch.Tensor:
+        """What may follow the sequence's tokens and ``emitted`` (this step's, before this row):
+        suppression, then the sequence's rules."""
         if seq.suppress is not None:
             logits[seq.suppress] = -float("inf")
-        if not generated and seq.begin_suppress is not None:
+        if seq.begin_suppress is not None and not seq.tokens and not emitted:
             logits[seq.begin_suppress] = -float("inf")
         if seq.rules is not None:
-            seq.rules(logits, generated)
+            seq.rules(logits, seq.tokens + emitted)
         return logits
 
     def _verify(self, seq: Sequence, rows: torch.Tensor, draft: list[int]) -> tuple[list[int], int]:
@@ -338,7 +339,7 @@ class Lane:
         without drafting, given the tokens before it; the first disagreement ends the step."""
         emitted, accepted = [], 0
         for i, row in enumerate(rows):
-            row = self._mask(seq, row, seq.tokens + emitted)
+            row = self._mask(seq, row, emitted)
             if i < len(draft):
                 token, kept = seq.picker.check(row, draft[i])
             else:

@@ -156,6 +156,11 @@ def read_plan(ref: WhisperReference, req) -> TranscriptionPlan:
                               windowing=req.windowing, timestamps=req.timestamps)
 
 
+def steps_to_frames(steps: int) -> int:
+    """Time-token steps (20 ms) as log-mel frames (10 ms)."""
+    return round(steps * TIME_PRECISION * FRAMES_PER_SECOND)
+
+
 def follow_up(plan: TranscriptionPlan, rules: TimestampRules | None, index: int, tokens: list[int], part: list[int],
               parts: int) -> tuple[int, np.ndarray] | None:
     """Where the decoding of window ``index`` goes on, and the features to decode there, or None.
@@ -170,10 +175,37 @@ def follow_up(plan: TranscriptionPlan, rules: TimestampRules | None, index: int,
         return None
     steps = rules.resume_point(tokens)  # the joined tokens end on the same pair, on the window's clock
     _, size, window = plan.spans[index]
-    frames = round(steps * TIME_PRECISION * FRAMES_PER_SECOND)
+    frames = steps_to_frames(steps)
     if (size - frames) / FRAMES_PER_SECOND < FOLLOW_UP_MIN_S:
         return None
     return steps, pad_window(window[:, frames:size])
+
+
+@dataclass
+class WindowDecoding:
+    """One window's decoding so far: its first part's result and, with timestamps, the parts joined on
+    after it (see :func:`follow_up`). The reference decoder and the engine both keep one per window."""
+
+    head: WindowResult  # the first part (its no-speech probability and mean log-probability stand for the window)
+    tokens: list[int]  # every part's tokens joined, on the window's clock
+    parts: int = 1
+    steps: int = 0  # where the last part started, in time steps from the window's start
+
+    def rest(self, plan: TranscriptionPlan, rules: TimestampRules | None, index: int,
+             last_part: list[int]) -> np.ndarray | None:
+        """The padded features of the rest of the window to decode as the next part, or None: done."""
+        follow = follow_up(plan, rules, index, self.tokens, last_part, self.parts)
+        if follow is None:
+            return None
+        self.steps, features = follow
+        return features
+
+    def join(self, rules: TimestampRules, part: list[int]) -> None:
+        """The part decoded from ``rest``'s features, joined on."""
+        self.tokens, self.parts = rules.join(self.tokens, part, self.steps), self.parts + 1
+
+    def result(self) -> WindowResult:
+        return WindowResult(self.tokens, self.head.no_speech_prob, self.head.avg_logprob)
 
 
 def _rms(x: np.ndarray) -> float:
@@ -263,12 +295,11 @@ def transcribe_samples(decoder: WhisperReference, samples: np.ndarray, language:
             results.append(plan.silent_result())
             continue
         head = decoder.decode(decoder.encode(window), plan.prompt)
-        tokens, part, parts = head.tokens, head.tokens, 1
-        while (rest := follow_up(plan, rules, i, tokens, part, parts)) is not None:
-            steps, features = rest
+        decoding, part = WindowDecoding(head, head.tokens), head.tokens
+        while (features := decoding.rest(plan, rules, i, part)) is not None:
             part = decoder.decode(decoder.encode(features), plan.prompt).tokens
-            tokens, parts = rules.join(tokens, part, steps), parts + 1
-        results.append(WindowResult(tokens, head.no_speech_prob, head.avg_logprob))
+            decoding.join(rules, part)
+        results.append(decoding.result())
     return assemble_transcript(plan, decoder.tok, results)
 
 
@@ -311,7 +342,7 @@ def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequenc
         return len(text) >= LOOP_MIN_TOKENS and repetition_start(text) is not None
 
     features: dict[Sequence, np.ndarray] = {}  # what each sequence decodes: a window, or the rest of one
-    parts: dict[int, tuple[list[int], WindowResult, int, int]] = {}  # window -> (tokens, head, parts, steps)
+    decoding: dict[int, WindowDecoding] = {}  # windows with a follow-up part still to decode
 
     def prepare(seq, slot):  # on joining a slot: encode this window into the slot's cross-attention memory,
         # a generator the lane advances: a layer at a time, as the lane finds room (see Lane._prepare)
@@ -319,7 +350,7 @@ def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequenc
         encoded = yield from decoder.encode_in_steps(window)
         decoder.set_memory(slot, encoded[0])
 
-    def add(index: int, window: np.ndarray, size: int) -> None:
+    def add(index: int, window: np.ndarray, size: int) -> None:  # size: frames of content, for the joining order
         seq = Sequence(list(plan.prompt), decoder.max_len - len(plan.prompt), {ref.tok.eot},
                        suppress=ref.suppress, begin_suppress=ref.begin_suppress, rules=rules and rules.apply,
                        prepare=prepare, on_token=on_token, on_finish=on_finish,
@@ -336,20 +367,19 @@ def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequenc
             handle._emit(Event("failed", handle.id, message=f"{plan.name}: transcription was cancelled."))
             return
         drafting.merge(seq.draft_counts)
-        if seq.index in parts:  # the rest of a window, decoded after its first part
-            tokens, head, count, steps = parts.pop(seq.index)
-            tokens, count = rules.join(tokens, seq.tokens, steps), count + 1
-        else:
+        window_decoding = decoding.pop(seq.index, None)
+        if window_decoding is None:  # the window's first part
             head = WindowResult(seq.tokens, ref.no_speech_probability(seq.probe_logits),
                                 seq.logprob_sum / (len(seq.tokens) + 1))
-            tokens, count = seq.tokens, 1
-        rest = follow_up(plan, rules, seq.index, tokens, seq.tokens, count)
+            window_decoding = WindowDecoding(head, seq.tokens)
+        else:  # the rest of a window, decoded after its earlier parts
+            window_decoding.join(rules, seq.tokens)
+        rest = window_decoding.rest(plan, rules, seq.index, seq.tokens)
         if rest is not None:  # the model left the rest of the window: decode it as a part of its own
-            steps, window_rest = rest
-            parts[seq.index] = (tokens, head, count, steps)
-            add(seq.index, window_rest, plan.spans[seq.index][1] - round(steps * TIME_PRECISION * FRAMES_PER_SECOND))
+            decoding[seq.index] = window_decoding
+            add(seq.index, rest, plan.spans[seq.index][1] - steps_to_frames(window_decoding.steps))
             return
-        window = WindowResult(tokens, head.no_speech_prob, head.avg_logprob)
+        window = window_decoding.result()
         results[seq.index] = window
         if req.on_window:
             try:  # the caller's record of a window (the job store) failing ends this file, not the lane
