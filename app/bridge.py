@@ -22,13 +22,12 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal
 
+from engine import Engine
+from engine.api import coalesce, drain
 from engine.audio import audio_files
-from engine.conversations import Conversations, Reply, coalesce, drain
-from engine.engine import Engine
+from engine.chat.answering import Conversations, Reply
 from engine.errors import CadenceError, record_fault
 from engine.jobs import JobStore, settle_job, submit_job
-from engine.transcribe import LOGPROB_THRESHOLD, NO_SPEECH_THRESHOLD, cut_repetition, window_segments
-from engine.whisper_timestamps import TimestampRules
 
 from app.settings import EngineChoice, Settings
 from app.transcripts import write_outputs
@@ -37,13 +36,6 @@ PUMP_INTERVAL_S = 0.05  # events reach the window at most 20 times a second per 
 STATUS_INTERVAL_S = 0.25  # the live panel gets a status snapshot 4 times a second
 ADD_AT_ONCE = 32  # a batch larger than this is queued on a thread, this many jobs at a time
 MAX_JOBS_IN_ENGINE = 16  # files handed to the engine at once (enough to fill its slots); the rest wait here
-
-
-def _silent(window) -> bool:
-    """A window the finished transcript leaves out (the model calls it silence and its words were unsure)."""
-    if window is None or not getattr(window, "tokens", None):
-        return True
-    return window.no_speech_prob > NO_SPEECH_THRESHOLD and window.avg_logprob <= LOGPROB_THRESHOLD
 
 
 def _named(name: str, sentence: str, full_path: str | None) -> str:
@@ -391,60 +383,27 @@ class EngineBridge(QObject):
                     if live.started is None:
                         live.started = time.monotonic()
                     live.done, live.total = event.done, event.total
-                    if isinstance(event.result, list):
-                        live.window_times = list(event.result)
-                    earlier = self._earlier_windows(live, event.done)
+                    live.window_times = list(event.window_times)
+                    live.duration = self._duration(live)
                     self.job_progress.emit(live.job_id, live.done, live.total)
-                    for index, text in earlier:
-                        if index in live.phrases:
-                            self.job_phrases.emit(live.job_id, index, live.phrases[index])
-                        self.job_text.emit(live.job_id, index, text)
-                elif event.kind == "progress":
+                elif event.kind == "progress":  # a window finished (or, resuming, was decoded earlier)
                     live.done, live.total = event.done, event.total
                     self.job_progress.emit(live.job_id, live.done, live.total)
-                    if event.index >= 0:  # one more window finished: its text, as the transcript will have it
-                        text = "" if _silent(event.result) else (event.text or "")
-                        self._note_phrases(live, event.index, None if _silent(event.result) else event.result)
-                        live.texts[event.index] = text
-                        if event.index in live.phrases:  # carried by the signal: the job may have ended by then
-                            self.job_phrases.emit(live.job_id, event.index, live.phrases[event.index])
-                        self.job_text.emit(live.job_id, event.index, text)
+                    live.texts[event.index] = event.text
+                    if live.timestamps and event.text:  # carried by the signal: the job may have ended by then
+                        live.phrases[event.index] = [(s.start, s.end, s.text) for s in event.segments]
+                        self.job_phrases.emit(live.job_id, event.index, live.phrases[event.index])
+                    self.job_text.emit(live.job_id, event.index, event.text)
                 elif event.terminal:
                     self._settle(live)
                     break
 
-    def _earlier_windows(self, live: LiveJob, done: int) -> list[tuple[int, str]]:
-        """The file's duration (the engine has just read it), and a resumed job's windows decoded in an
-        earlier session (stored as tokens): their text, so its partial transcript does not start empty."""
+    def _duration(self, live: LiveJob) -> float | None:
+        """The file's duration, which the engine recorded in the job as it read the file."""
         try:
-            job = self.jobs.get(live.job_id)
-            live.duration = job.duration
-            if not done:
-                return []
-            stored = self.jobs.windows(live.job_id)
-            tok = self.engine.reference(live.model).tok
-        except (CadenceError, KeyError, AttributeError):
-            return []
-        rules = TimestampRules.of(tok) if job.options.get("timestamps") else None
-        texts = []
-        for index, window in sorted(stored.items()):
-            text = "" if _silent(window) else tok.decode(cut_repetition(window.tokens, rules)).strip()
-            self._note_phrases(live, index, None if _silent(window) else window)
-            live.texts[index] = text
-            texts.append((index, text))
-        return texts
-
-    def _note_phrases(self, live: LiveJob, index: int, window) -> None:
-        """A finished window's timed phrases, for the live view (jobs decoded with timestamps)."""
-        if not live.timestamps or window is None or index >= len(live.window_times):
-            return
-        try:
-            tok = self.engine.reference(live.model).tok
-        except (KeyError, AttributeError):
-            return
-        start, end = live.window_times[index]
-        live.phrases[index] = [(s.start, s.end, s.text)
-                               for s in window_segments(tok, TimestampRules.of(tok), window.tokens, start, end)]
+            return self.jobs.get(live.job_id).duration
+        except CadenceError:
+            return None
 
     def _settle(self, live: LiveJob) -> None:
         """Record how a job ended and write its output files; the row changes once."""

@@ -14,7 +14,7 @@ from PySide6.QtCore import QSettings
 
 from engine.formats import FORMATS
 from engine.models import DEFAULT_CHAT, DEFAULT_WHISPER
-from engine.transcribe import WINDOWINGS
+from engine.whisper.pipeline import WINDOWINGS
 
 BACKENDS = ("auto", "cpu", "cuda", "mps")
 DRAFTERS = ("auto", "mtp", "ngram", "draft", "off")  # "draft" is sent as "draft:MODEL"

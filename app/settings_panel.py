@@ -27,7 +27,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.backend import available_backends, describe_backend, resolve_backend
-from engine.engine import Engine
+from engine import Engine
 from engine.formats import FORMATS
 from engine.models import CHAT, WHISPER, list_models
 from engine.paths import cache_dir, data_dir

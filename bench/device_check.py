@@ -75,8 +75,8 @@ def near_tie_gap(ref, prompt_ids: list[int], got: list[int], want: list[int]) ->
 
 
 def exactness(models: dict[str, Path], clips: list[np.ndarray]) -> bool:
-    from engine.chat_reference import ChatReference, build_messages
-    from engine.engine import ChatRequest, Engine, TranscribeRequest
+    from engine.chat.reference import ChatReference, build_messages
+    from engine import ChatRequest, Engine, TranscribeRequest
     from engine.loading import load
     from engine.sampling import SamplingParams
 
@@ -89,11 +89,11 @@ def exactness(models: dict[str, Path], clips: list[np.ndarray]) -> bool:
     try:
         params = SamplingParams(max_tokens=48)
         say("## Exactness on the GPU (float32, random weights in the real shapes)\n")
-        alone = [off.submit(ChatRequest(p, model=chat, params=params)).result(600)["tokens"] for p in PROMPTS]
-        single = on.submit(ChatRequest(PROMPTS[0], model=chat, params=params)).result(600)["tokens"]
+        alone = [off.submit(ChatRequest(p, model=chat, params=params)).result(600).tokens for p in PROMPTS]
+        single = on.submit(ChatRequest(PROMPTS[0], model=chat, params=params)).result(600).tokens
         say(f"- chat N=1 exact (batching on vs off): {single == alone[0]}")
         ok &= single == alone[0]
-        together = [h.result(600)["tokens"] for h in [on.submit(ChatRequest(p, model=chat, params=params))
+        together = [h.result(600).tokens for h in [on.submit(ChatRequest(p, model=chat, params=params))
                                                       for p in PROMPTS]]
         ref = ChatReference(load(chat, device=DEVICE, dtype=torch.float32))
         gaps = [near_tie_gap(ref, ref.prompt_ids(build_messages(p)), t, a)
@@ -103,10 +103,10 @@ def exactness(models: dict[str, Path], clips: list[np.ndarray]) -> bool:
             f"{len(gaps) - gaps.count(None) - len(bad)} near-ties, {len(bad)} real differences {bad}")
         ok &= not bad
         seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=32)
-        s_alone = off.submit(ChatRequest("Tell me about owls.", model=chat, params=seeded)).result(600)["tokens"]
+        s_alone = off.submit(ChatRequest("Tell me about owls.", model=chat, params=seeded)).result(600).tokens
         crowd = [on.submit(ChatRequest(p, model=chat, params=SamplingParams(temperature=1.0, seed=i, max_tokens=32)))
                  for i, p in enumerate(PROMPTS[:5])]
-        s_batch = on.submit(ChatRequest("Tell me about owls.", model=chat, params=seeded)).result(600)["tokens"]
+        s_batch = on.submit(ChatRequest("Tell me about owls.", model=chat, params=seeded)).result(600).tokens
         [h.result(600) for h in crowd]
         say(f"- seeded sampling alone = in a batch: {s_alone == s_batch}")
         ok &= s_alone == s_batch
@@ -125,8 +125,8 @@ def exactness(models: dict[str, Path], clips: list[np.ndarray]) -> bool:
 
 def throughput(models: dict[str, Path], clips: list[np.ndarray], widths: list[int], out: Path) -> None:
     from bench.analyze_steps import read_log
-    from engine.chat_reference import ChatReference, build_messages
-    from engine.engine import ChatRequest, Engine, TranscribeRequest
+    from engine.chat.reference import ChatReference, build_messages
+    from engine import ChatRequest, Engine, TranscribeRequest
     from engine.loading import load
     from engine.sampling import SamplingParams
 
@@ -146,8 +146,8 @@ def throughput(models: dict[str, Path], clips: list[np.ndarray], widths: list[in
         results = [h.result(600) for h in [engine.submit(ChatRequest(p, model=chat, params=params)) for p in prompts]]
         wall = time.perf_counter() - t0
         engine.shutdown()
-        rate = sum(len(r["tokens"]) for r in results) / wall
-        per_slot = statistics.mean(r["stats"]["decode_tok_s"] or 0 for r in results)
+        rate = sum(len(r.tokens) for r in results) / wall
+        per_slot = statistics.mean(r.stats["decode_tok_s"] or 0 for r in results)
         tok.padding_side = "left"
         enc = tok([tok.decode(ref.prompt_ids(build_messages(p))) for p in prompts], return_tensors="pt",
                   padding=True, add_special_tokens=False).to(DEVICE)

@@ -1,6 +1,6 @@
 """Drafting: acceptance and speed with and without each drafter, on inputs never used for training.
 
-Chat: the held-out prompts of the MTP prompt set (engine.mtp_prompts.HELD_OUT_PROMPTS), greedy and
+Chat: the held-out prompts of the MTP prompt set (engine.mtp.prompts.HELD_OUT_PROMPTS), greedy and
 temperature 0.7 (seeded), at widths 1 and 4 / 8; chat about a transcript (questions whose answers
 quote it), at widths 1 and 4. Whisper: espeak-ng speech of the held-out texts and of the
 transcription benchmark's sentences, greedy, at widths 1 and 4. For every (model, width) the
@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine.api import ChatAnswer
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -39,18 +41,18 @@ def _run(engine, requests) -> tuple[float, list]:
 
 
 def _tokens(result) -> list[int]:
-    if isinstance(result, dict):
-        return result["tokens"]
+    if isinstance(result, ChatAnswer):
+        return result.tokens
     return [t for s in result.segments for t in s.tokens]
 
 
 def _drafting(result) -> dict:
-    return result["stats"]["drafting"] if isinstance(result, dict) else result.stats["drafting"]
+    return result.stats["drafting"]
 
 
 def measure(model: str, width: int, drafters: list[str], requests_for, warmup, sampling: str = "greedy") -> list[dict]:
     """One row per drafter: the same requests on a fresh engine each."""
-    from engine.engine import Engine
+    from engine import Engine
 
     rows, baseline = [], None
     for drafter in drafters:
@@ -94,9 +96,9 @@ def _line(r: dict) -> str:
 
 
 def chat_rows(widths, drafters, prompts: int, max_tokens: int) -> list[dict]:
-    from engine.engine import ChatRequest
+    from engine import ChatRequest
     from engine.models import DEFAULT_CHAT
-    from engine.mtp_prompts import HELD_OUT_PROMPTS
+    from engine.mtp.prompts import HELD_OUT_PROMPTS
     from engine.sampling import SamplingParams
 
     held = HELD_OUT_PROMPTS[:prompts]
@@ -127,9 +129,9 @@ def transcript_rows(widths, drafters, max_tokens: int) -> list[dict]:
     import random
 
     from bench.transcription import long_text
-    from engine.conversations import transcript_context
+    from engine.chat.answering import transcript_context
     from engine.models import DEFAULT_CHAT
-    from engine.requests import DocumentChatRequest
+    from engine.chat.run import DocumentChatRequest
     from engine.sampling import SamplingParams
 
     text = long_text(150, 150, random.Random(11))  # about 2.5 minutes of meeting-like speech, as transcribed
@@ -148,8 +150,8 @@ def transcript_rows(widths, drafters, max_tokens: int) -> list[dict]:
 def whisper_rows(models, widths, drafters, work: Path) -> list[dict]:
     from bench.transcription import batch_durations, make_clips, speak
     from engine.audio import load_audio
-    from engine.engine import TranscribeRequest
-    from engine.mtp_prompts import texts_for_speech
+    from engine import TranscribeRequest
+    from engine.mtp.prompts import texts_for_speech
 
     voices = [("en-us+f3", 130), ("en-us+m3", 150), ("en-gb+f2", 140), ("en-us+m7", 160)]
     clips = [load_audio(speak(text, work / f"held{i}.wav", *voices[i % len(voices)]))

@@ -46,11 +46,11 @@ def main() -> None:
     os.environ["CADENCE_CACHE_DIR"] = str(work / "cache")
 
     from bench.common import faster_whisper_model, speech_samples
-    from engine.chat_reference import ChatReference, build_messages
+    from engine.chat.reference import ChatReference, build_messages
     from engine.loading import load
     from engine.sampling import SamplingParams
-    from engine.transcribe import transcribe_samples
-    from engine.whisper_reference import WhisperReference
+    from engine.whisper.pipeline import transcribe_samples
+    from engine.whisper.reference import WhisperReference
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     print("## Load times (s)\n\n| model | cold (convert + cache) | cached |\n|---|---|---|")

@@ -40,8 +40,8 @@ def _sync(device: str) -> None:
 
 def chat_table(widths, n_tokens, device):
     from bench.common import in_fresh_thread
-    from engine.chat_reference import ChatReference, build_messages
-    from engine.engine import ChatRequest, Engine
+    from engine.chat.reference import ChatReference, build_messages
+    from engine import ChatRequest, Engine
     from engine.loading import load
     from engine.sampling import SamplingParams
 
@@ -60,8 +60,8 @@ def chat_table(widths, n_tokens, device):
         results = [h.result() for h in [engine.submit(ChatRequest(p, params=params)) for p in prompts]]
         wall = time.perf_counter() - t0
         engine.shutdown()
-        total = sum(len(r["tokens"]) for r in results)
-        per_slot = statistics.mean(r["stats"]["decode_tok_s"] or 0 for r in results)
+        total = sum(len(r.tokens) for r in results)
+        per_slot = statistics.mean(r.stats["decode_tok_s"] or 0 for r in results)
         # transformers generate on the same prompts, left-padded, same token budget
         ids = [ref.prompt_ids(build_messages(p)) for p in prompts]
         tok.padding_side = "left"
@@ -76,14 +76,14 @@ def chat_table(widths, n_tokens, device):
         g_tokens = [row[: row.index(tok.eos_token_id)] if tok.eos_token_id in row else row
                     for row in rows]
         g_total = sum(len(r) for r in g_tokens)
-        same = sum(r["tokens"] == g for r, g in zip(results, g_tokens))
+        same = sum(r.tokens == g for r, g in zip(results, g_tokens))
         print(f"| {w} | {total / wall:.1f} | {per_slot:.1f} | {g_total / g_wall:.1f} | "
               f"{(total / wall) / (g_total / g_wall):.2f}x | {same}/{w} |", flush=True)
 
 
 def whisper_tables(widths, device):
     from bench.common import faster_whisper_model, in_fresh_thread, speech_samples
-    from engine.engine import Engine, TranscribeRequest
+    from engine import Engine, TranscribeRequest
 
     work = Path(tempfile.mkdtemp())
     clips = speech_samples(work, 8)
@@ -169,7 +169,7 @@ def encoder_table(device):
 def stall_table(width, device):
     """A running slot's worst gap between tokens while others join, against its usual gap."""
     from bench.common import speech_samples
-    from engine.engine import ChatRequest, Engine, TranscribeRequest
+    from engine import ChatRequest, Engine, TranscribeRequest
     from engine.sampling import SamplingParams
 
     work = Path(tempfile.mkdtemp())

@@ -189,8 +189,8 @@ def batch_durations(n: int, shortest: float, longest: float, seed: int = 5) -> l
 def window_count(clips: list[Clip], windowing: str) -> int:
     """Windows over the clips, counted as Cadence cuts them ("vad" or "fixed")."""
     from engine.audio import load_audio
-    from engine.transcribe import plan_windows
-    from engine.whisper_features import log_mel
+    from engine.whisper.pipeline import plan_windows
+    from engine.whisper.features import log_mel
 
     return sum(len(plan_windows(log_mel(a), a, windowing)) for a in (load_audio(c.path) for c in clips))
 
@@ -205,7 +205,7 @@ class Run:
 
 
 def run_cadence(model: str, paths: list[Path], width, windowing: str = "vad", timestamps: bool = False) -> Run:
-    from engine.engine import Engine, TranscribeRequest
+    from engine import Engine, TranscribeRequest
 
     start = time.perf_counter()
     engine = Engine(backend="cpu", batch=width)

@@ -245,7 +245,7 @@ def build_drafter(choice: str, model: str, loaded, decoder, device, width: int, 
         return None, "off"
     if choice in ("auto", "mtp"):
         try:
-            from engine.mtp import load_head
+            from engine.mtp.head import load_head
         except ImportError:
             load_head = None
         head = load_head(model) if load_head is not None else None

@@ -1,29 +1,26 @@
 """The engine: a background thread that owns the models and their lanes.
 
-Callers on any thread ``submit`` a request and get a :class:`Handle` whose events arrive as they
-happen (started, delta, progress, finished, failed). The Qt app, the CLI and the tests all use
-this one API. Nothing here imports Qt.
+Callers on any thread ``submit`` a request (:mod:`engine.api`) and get a :class:`~engine.api.Handle`
+whose events arrive as they happen (started, delta, progress, finished, failed). The Qt app, the
+CLI and the tests all use this one API. Nothing here imports Qt.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
+from engine.api import ChatRequest, Handle, TranscribeRequest
 from engine.errors import CadenceError, record_fault
-from engine.models import CHAT, DEFAULT_CHAT, DEFAULT_WHISPER, WHISPER
-from engine.sampling import SamplingParams
+from engine.models import CHAT, WHISPER
 
 BATCH_ENV = "CADENCE_BATCH"  # off | N | auto: overrides the calibrated width when no batch is given
 STEP_STATS_ENV = "CADENCE_STEP_STATS"  # FILE.jsonl: one line per step
@@ -41,100 +38,6 @@ def parse_batch(value) -> str | int:
     if n < 1:
         raise CadenceError(f"Batch width must be at least 1 (got {n}).")
     return n
-
-
-# ---------------------------------------------------------------------------- requests and events
-@dataclass
-class ChatRequest:
-    prompt: str = ""
-    system: str | None = None
-    history: list[dict] = field(default_factory=list)
-    model: str = DEFAULT_CHAT
-    params: SamplingParams = field(default_factory=SamplingParams)
-    prompt_ids: list[int] | None = None  # bypasses the chat template when given
-
-
-@dataclass
-class TranscribeRequest:
-    audio: str | Path | np.ndarray  # a path, or 16 kHz mono samples
-    model: str = DEFAULT_WHISPER
-    language: str | None = None
-    task: str = "transcribe"
-    name: str = ""
-    windowing: str = "vad"  # "vad": windows cut in the pauses of speech; "fixed": every 30 s
-    timestamps: bool = False  # True: the model times each phrase (segments of a few seconds), else one per window
-    # Resuming: windows finished in an earlier run (index -> WindowResult) are not decoded again.
-    done_windows: dict | None = None
-    # Called on the engine thread as soon as the plan is made (with the TranscriptionPlan) and as each
-    # window finishes (index, WindowResult), so a job store records them before anything else happens.
-    # on_plan returns False when the earlier run's windows lay elsewhere: done_windows are then unused.
-    on_plan: Callable | None = None
-    on_window: Callable | None = None
-
-
-@dataclass
-class Event:
-    kind: str  # "started" | "delta" | "progress" | "finished" | "failed"
-    request_id: int
-    text: str = ""
-    tokens: list[int] = field(default_factory=list)
-    done: int = 0
-    total: int = 0
-    result: object = None  # finished: the result; progress: the finished window's WindowResult;
-    # started: a transcription's window times [(start, end) seconds], a chat's prompt fitting
-    message: str = ""
-    index: int = -1  # progress: which window finished
-
-    @property
-    def terminal(self) -> bool:
-        return self.kind in ("finished", "failed")
-
-
-class Handle:
-    """What ``submit`` returns: iterate it for events, or wait for ``result()``."""
-
-    _ids = itertools.count(1)
-
-    def __init__(self, engine: "Engine", request):
-        self.id = next(self._ids)
-        self.request = request
-        self.events: queue.Queue[Event] = queue.Queue()
-        self._engine = engine
-        self._final: Event | None = None
-        self.cancelled = False
-
-    def _emit(self, event: Event) -> None:
-        if event.terminal:
-            self._final = event
-            self._engine._work.pop(self.id, None)  # the engine keeps nothing of an ended request
-            self._engine._reading.pop(self.id, None)
-        self.events.put(event)
-
-    def __iter__(self):
-        while True:
-            event = self.events.get()
-            yield event
-            if event.terminal:
-                return
-
-    def result(self, timeout: float | None = None):
-        """Block until finished; return the result, or raise CadenceError with the failure's sentence."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._final is None or not self.events.empty():
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                event = self.events.get(timeout=remaining)
-            except queue.Empty:
-                raise TimeoutError(f"request {self.id} did not finish in {timeout} s") from None
-            if event.terminal:
-                self._final = event
-                break
-        if self._final.kind == "failed":
-            raise CadenceError(self._final.message)
-        return self._final.result
-
-    def cancel(self) -> None:
-        self._engine.cancel(self)
 
 
 def _recent_rate(stamps: list[float], last: int = 16) -> float | None:
@@ -189,13 +92,19 @@ class Engine:
     def submit(self, request) -> Handle:
         if self._stop.is_set():
             raise CadenceError("The engine has been shut down.")
-        handle = Handle(self, request)
+        handle = Handle(request, on_cancel=self.cancel, on_end=self._forget)
         self._commands.put(("submit", handle))
         return handle
+
+    def _forget(self, handle: Handle) -> None:
+        """A request ended: the engine keeps nothing of it."""
+        self._work.pop(handle.id, None)
+        self._reading.pop(handle.id, None)
 
     def cancel(self, handle: Handle) -> None:
         handle.cancelled = True
         self._commands.put(("cancel", handle))
+
 
     def shutdown(self, timeout: float = 30) -> None:
         self._stop.set()
@@ -203,16 +112,15 @@ class Engine:
         self._thread.join(timeout)
         self._reader.shutdown(wait=True, cancel_futures=True)
         for handle in list(self._reading.values()):  # files still being read (or never started) when it stopped
-            if handle._final is None:
-                handle._emit(Event("failed", handle.id, message="The engine was shut down."))
+            handle.fail("The engine was shut down.")
         # A submit that raced the stop command was queued behind it: it still gets its final event.
         while True:
             try:
                 command, handle = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if command == "submit" and handle._final is None:
-                handle._emit(Event("failed", handle.id, message="The engine was shut down."))
+            if command == "submit":
+                handle.fail("The engine was shut down.")
             elif command == "log" and handle is not None:
                 handle.close()
         if self._step_log is not None:
@@ -232,13 +140,13 @@ class Engine:
 
             loaded = load(model, family=family, device=self.device)
             if loaded.family == CHAT:
-                from engine.chat_reference import ChatReference
+                from engine.chat.reference import ChatReference
                 from engine.families.llama import LlamaBatched
 
                 decoder, reference = LlamaBatched(loaded), ChatReference(loaded)
             else:
                 from engine.families.whisper import WhisperBatched
-                from engine.whisper_reference import WhisperReference
+                from engine.whisper.reference import WhisperReference
 
                 decoder, reference = WhisperBatched(loaded), WhisperReference(loaded)
             from engine.calibration import calibrate
@@ -323,8 +231,8 @@ class Engine:
                 command = None
             if command == "stop":
                 for seqs in list(self._work.values()):
-                    if seqs and seqs[0].handle._final is None:
-                        seqs[0].handle._emit(Event("failed", seqs[0].handle.id, message="The engine was shut down."))
+                    if seqs:
+                        seqs[0].handle.fail("The engine was shut down.")
                 return
             if command == "log":
                 if self._step_log is not None:
@@ -349,14 +257,14 @@ class Engine:
                    f"details are in {record_fault(exc)}.")
         for seq in [s for s in lane.slots if s is not None] + list(lane.waiting):
             seq.cancelled = True
-            if seq.handle is not None and seq.handle._final is None:
-                seq.handle._emit(Event("failed", seq.handle.id, message=message))
+            if seq.handle is not None:
+                seq.handle.fail(message)
         lane.slots = [None] * lane.width
         lane.waiting.clear()
 
     def _read_audio(self, handle: Handle, reference) -> None:
         """Reader thread: decode and plan a file's audio, then hand it back to the engine thread."""
-        from engine.transcribe import read_plan
+        from engine.whisper.pipeline import read_plan
 
         try:
             result = read_plan(reference, handle.request)
@@ -367,19 +275,19 @@ class Engine:
     def _planned(self, handle: Handle, plan) -> None:
         """Engine thread: a transcription's audio is read; its windows join the lane."""
         self._reading.pop(handle.id, None)
-        if handle._final is not None:
+        if handle.ended:
             return
         if handle.cancelled:
-            name = plan.name if not isinstance(plan, Exception) else "The file"
-            handle._emit(Event("failed", handle.id, message=f"{name}: transcription was cancelled."))
+            handle.fail(f"{plan.name if not isinstance(plan, Exception) else 'The file'}: transcription was cancelled.")
             return
 
         def start():
             if isinstance(plan, Exception):
                 raise plan
-            from engine.transcribe import start_transcription
+            from engine.whisper.run import TranscriptionRun
 
-            return start_transcription(self, handle, plan)
+            model = handle.request.model
+            return TranscriptionRun(handle, self.lane(model, WHISPER), self.reference(model), plan).start()
 
         self._begin(handle, start)
 
@@ -387,9 +295,9 @@ class Engine:
         def start():
             request = handle.request
             if isinstance(request, ChatRequest):
-                from engine.requests import start_chat
+                from engine.chat.run import ChatRun
 
-                return start_chat(self, handle)
+                return ChatRun(handle, self.lane(request.model, CHAT), self.reference(request.model)).start()
             if isinstance(request, TranscribeRequest):
                 self.lane(request.model, WHISPER)  # load the model here: its errors fail the request now
                 self._reading[handle.id] = handle
@@ -403,13 +311,13 @@ class Engine:
         """Run a request's start on the engine thread; any failure becomes its one-sentence event."""
         try:
             seqs = start()
-            if seqs is not None:
+            if seqs is not None and not handle.ended:  # (one whose windows were all done earlier has ended)
                 self._work[handle.id] = seqs
         except CadenceError as exc:
-            handle._emit(Event("failed", handle.id, message=str(exc)))
+            handle.fail(str(exc))
         except Exception as exc:
-            handle._emit(Event("failed", handle.id, message=f"The request could not start ({exc.__class__.__name__}: "
-                                                            f"{exc}); details are in {record_fault(exc)}."))
+            handle.fail(f"The request could not start ({exc.__class__.__name__}: {exc}); "
+                        f"details are in {record_fault(exc)}.")
 
 
-__all__ = ["Engine", "ChatRequest", "TranscribeRequest", "Event", "Handle", "WHISPER", "CHAT"]
+__all__ = ["Engine", "parse_batch"]

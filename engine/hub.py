@@ -11,16 +11,15 @@ from engine.paths import cache_dir
 _ALLOW = ["*.json", "*.safetensors", "*.txt", "*.model", "*.gguf", "model.bin", "*.tiktoken"]
 
 
-def _offline_error(repo_id: str, why: str) -> ModelError:
-    from engine.models import offline_alternatives
+def download_from_hub(repo_id: str, offline_alternatives: str = "") -> Path:
+    """Return a local folder holding ``repo_id``'s files (from the local cache when already there).
+    ``offline_alternatives`` names the models that work offline, for the sentence when the hub cannot
+    be reached."""
 
-    return ModelError(
-        f"Cannot download '{repo_id}': {why}. Models that work offline: {offline_alternatives()}."
-    )
+    def _offline_error(repo_id: str, why: str) -> ModelError:
+        alternatives = f" Models that work offline: {offline_alternatives}." if offline_alternatives else ""
+        return ModelError(f"Cannot download '{repo_id}': {why}.{alternatives}")
 
-
-def download_from_hub(repo_id: str) -> Path:
-    """Return a local folder holding ``repo_id``'s files (from the local cache when already there)."""
     try:
         import huggingface_hub
         from huggingface_hub.errors import RepositoryNotFoundError

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from engine.errors import CadenceError
 from engine.store import connect, db_path
-from engine.whisper_reference import WindowResult
+from engine.whisper.reference import WindowResult
 
 UNFINISHED = ("queued", "running")
 
@@ -144,7 +144,7 @@ def _job(row) -> Job:
 def submit_job(engine, jobs: JobStore, job_id: int):
     """Submit a stored job to the engine, skipping its stored windows; its progress is recorded as it
     happens. Returns the engine handle; call :func:`settle_job` with its outcome."""
-    from engine.engine import TranscribeRequest
+    from engine.api import TranscribeRequest
 
     job = jobs.get(job_id)
     if not Path(job.path).exists():

@@ -79,8 +79,8 @@ def _convert_ct2_whisper(source: ModelSource, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import WhisperConfig
 
-    from engine.ct2_whisper import convert_to_transformers, read_ct2_model
-    from engine.whisper_tokens import WhisperTokenizer
+    from engine.whisper.ct2 import convert_to_transformers, read_ct2_model
+    from engine.whisper.tokens import WhisperTokenizer
 
     ct2 = read_ct2_model(list(source.weights))
     fields, state = convert_to_transformers(ct2)
@@ -137,7 +137,7 @@ def _transformers_folder(source: ModelSource, foreign_format: str, convert, kind
 def load_whisper(source: ModelSource, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
     from transformers import WhisperForConditionalGeneration
 
-    from engine.whisper_tokens import WhisperTokenizer
+    from engine.whisper.tokens import WhisperTokenizer
 
     t0 = time.perf_counter()
     folder, cached = _transformers_folder(source, CTRANSLATE2, _convert_ct2_whisper, "a Whisper model")

@@ -157,7 +157,7 @@ def resolve(name_or_path: str) -> ModelSource:
     if _HUB_ID.match(text):
         from engine.hub import download_from_hub
 
-        folder = download_from_hub(text)
+        folder = download_from_hub(text, offline_alternatives())
         src = _path_source(folder)
         return ModelSource(text, src.family, src.format, f"hub {text}", src.folder, src.weights)
     raise ModelError(

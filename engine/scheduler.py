@@ -41,6 +41,17 @@ PREFILL_CHUNK = 64  # prompt rows a joining sequence feeds per step, so running 
 PREPARE_BUDGET_MS = 1000.0  # a lane alone prepares joining sequences for up to this long before a step
 
 
+@dataclass
+class WindowState:
+    """What a Whisper window needs beyond a plain sequence, attached to it as ``Sequence.window``: the
+    logits of one prompt row (the no-speech check) and the sum of its chosen tokens' log-probabilities
+    (the confidence check)."""
+
+    probe_row: int  # the prompt row whose logits are kept
+    probe_logits: torch.Tensor | None = None
+    logprob_sum: float = 0.0
+
+
 @dataclass(eq=False)
 class Sequence:
     """One stream of tokens in one slot: a chat answer, or one Whisper window."""
@@ -57,8 +68,7 @@ class Sequence:
     on_finish: Callable[["Sequence"], None] | None = None
     # Called with the slot on joining; may return a generator of work pieces to run before the prompt.
     prepare: Callable[["Sequence", int], Iterator | None] | None = None
-    probe_row: int | None = None  # a prompt row whose logits are kept (Whisper's no-speech check)
-    track_logprob: bool = False  # sum the chosen tokens' log-probabilities (Whisper's quality check)
+    window: WindowState | None = None  # a Whisper window's own state
     handle: object | None = None  # the request this sequence belongs to
     index: int = 0  # its place within that request (Whisper: the window number)
     size: float = 0.0  # expected work (Whisper: frames of audio in the window), for the joining order
@@ -68,8 +78,6 @@ class Sequence:
     preparing: Iterator | None = None  # unfinished preparation work
     fed: int = 0  # tokens already in the cache
     tokens: list[int] = field(default_factory=list)
-    probe_logits: torch.Tensor | None = None
-    logprob_sum: float = 0.0
     finish_reason: str | None = None
     cancelled: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
@@ -344,8 +352,8 @@ class Lane:
                 token, kept = seq.picker.check(row, draft[i])
             else:
                 token, kept = seq.picker.pick(row), False
-            if seq.track_logprob:
-                seq.logprob_sum += float(torch.log_softmax(row, -1)[token])
+            if seq.window is not None:
+                seq.window.logprob_sum += float(torch.log_softmax(row, -1)[token])
             seq.picker.observe(token)
             emitted.append(token)
             if not kept:
@@ -385,8 +393,9 @@ class Lane:
         # Logits for each sequence's last row, every row of a draft being checked, and a probe row where asked.
         wanted, owners, offset = [], [], 0
         for seq, r in zip(active, rows):
-            if seq.probe_row is not None and seq.fed <= seq.probe_row < seq.fed + len(r):
-                wanted.append(offset + seq.probe_row - seq.fed)
+            probe = seq.window.probe_row if seq.window is not None else None
+            if probe is not None and seq.fed <= probe < seq.fed + len(r):
+                wanted.append(offset + probe - seq.fed)
                 owners.append((seq, None, 1))
             checked = len(drafts.get(seq.slot, ()))
             wanted.extend(range(offset + len(r) - 1 - checked, offset + len(r)))
@@ -406,7 +415,7 @@ class Lane:
         for seq, fed_rows, n in owners:
             first, at = at, at + n
             if fed_rows is None:
-                seq.probe_logits = logits[first].clone()
+                seq.window.probe_logits = logits[first].clone()
                 continue
             if seq.prefilling:
                 seq.fed += fed_rows

@@ -44,7 +44,7 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (job_id, idx)
     );
 
-    -- Conversations (engine/conversations.py). Messages form a tree: regenerating an answer or
+    -- Conversations (engine/chat/). Messages form a tree: regenerating an answer or
     -- editing a message adds a sibling; the active branch follows the active child at each level.
     CREATE TABLE conversations (
         id INTEGER PRIMARY KEY,

@@ -82,32 +82,3 @@ def short_params(max_tokens: int = CHAT_TOKENS):
     from engine.sampling import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens)
-
-
-class Heartbeat:
-    """A QTimer ticking every ``interval_ms`` on the window's thread; the longest gap between ticks is
-    how long the event loop was blocked (plus the interval)."""
-
-    def __init__(self, interval_ms: int = 10):
-        from PySide6.QtCore import QTimer
-
-        self.timer = QTimer()
-        self.timer.setInterval(interval_ms)
-        self.timer.timeout.connect(self._tick)
-        self.last: float | None = None
-        self.longest = 0.0
-        self.ticks = 0
-
-    def _tick(self) -> None:
-        now = time.perf_counter()
-        if self.last is not None:
-            self.longest = max(self.longest, now - self.last)
-        self.last = now
-        self.ticks += 1
-
-    def start(self) -> None:
-        self.last, self.longest, self.ticks = None, 0.0, 0
-        self.timer.start()
-
-    def stop(self) -> None:
-        self.timer.stop()

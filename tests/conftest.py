@@ -87,7 +87,7 @@ def smollm():
 @pytest.fixture(scope="session")
 def engine4():
     """A running engine with 4 slots per lane, shared by the suite (models load once)."""
-    from engine.engine import Engine
+    from engine import Engine
 
     eng = Engine(backend="cpu", batch=4)
     yield eng
@@ -97,7 +97,7 @@ def engine4():
 @pytest.fixture(scope="session")
 def engine_off():
     """The exact single-stream path: batching off."""
-    from engine.engine import Engine
+    from engine import Engine
 
     eng = Engine(backend="cpu", batch="off")
     yield eng
@@ -106,7 +106,7 @@ def engine_off():
 
 @pytest.fixture(scope="session")
 def chat_ref(smollm):
-    from engine.chat_reference import ChatReference
+    from engine.chat.reference import ChatReference
 
     return ChatReference(smollm)
 

@@ -33,8 +33,8 @@ def clip_timestamps(path) -> list[float]:
     """Cadence's voice-activity windows of a file as faster-whisper's ``clip_timestamps`` (start, end,
     start, end, ... in seconds), so that faster-whisper decodes exactly the same windows."""
     from engine.audio import load_audio
-    from engine.transcribe import plan_windows
-    from engine.whisper_features import FRAMES_PER_SECOND, log_mel
+    from engine.whisper.pipeline import plan_windows
+    from engine.whisper.features import FRAMES_PER_SECOND, log_mel
 
     audio = load_audio(path)
     return [x for seek, size, _ in plan_windows(log_mel(audio), audio, "vad")

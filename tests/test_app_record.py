@@ -110,7 +110,7 @@ def test_closing_mid_work_and_reopening_loses_no_job_recording_or_message(qtbot,
     unfinished_before_close = [j.id for j in window.bridge.jobs.list() if j.state in ("queued", "running")]
     window.close()  # mid-work: recording running, jobs in flight, an answer streaming
 
-    from engine.conversations import Conversations
+    from engine.chat.answering import Conversations
     from engine.jobs import JobStore
 
     store = JobStore()

@@ -179,8 +179,8 @@ def test_which_decoder_reads_what(formats, capfd):
 
 @pytest.mark.parametrize("name", ["m4a aac", "webm vp8+opus", "mp3 (pyav)", "flac 44.1k stereo", "wav 8ch 192k"])
 def test_a_real_transcription_of_each(name, formats, tiny):
-    from engine.transcribe import transcribe_file
-    from engine.whisper_reference import WhisperReference
+    from engine.whisper.pipeline import transcribe_file
+    from engine.whisper.reference import WhisperReference
 
     text = transcribe_file(WhisperReference(tiny), formats[name], language="en").text.lower()
     assert "fox" in text and "dog" in text, text

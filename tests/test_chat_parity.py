@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.chat_reference import ChatReference, build_messages
+from engine.chat.reference import ChatReference, build_messages
 from engine.errors import RequestError
 from engine.sampling import SamplingParams
 

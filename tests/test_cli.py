@@ -22,7 +22,7 @@ PROMPTS = [
 
 def cadence(*args, check_rc=None, stdin=None, data_dir=None):
     env = None if data_dir is None else dict(os.environ, CADENCE_DATA_DIR=str(data_dir))
-    proc = subprocess.run([sys.executable, "-m", "engine", *args], check=False, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "app.cli", *args], check=False, capture_output=True, text=True,
                           timeout=600, input=stdin, env=env)
     if check_rc is not None:
         assert proc.returncode == check_rc, proc.stderr
@@ -179,7 +179,7 @@ def test_chat_streams_to_terminal(smollm):
 
 
 def test_ctrl_c_cancels_and_exits_130(smollm, tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "chat", "Write a long story about a dragon.",
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "chat", "Write a long story about a dragon.",
                              "--max-tokens", "2000", "--batch", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, CADENCE_DATA_DIR=str(tmp_path)),

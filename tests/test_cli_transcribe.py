@@ -13,7 +13,7 @@ import pytest
 
 
 def run_cli(*args, env=None, check_rc=None):
-    proc = subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, timeout=900,
+    proc = subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=900,
                           env=env)
     if check_rc is not None:
         assert proc.returncode == check_rc, proc.stderr
@@ -45,7 +45,7 @@ def test_killed_mid_file_then_resumed_without_redoing_finished_windows(speech, t
     out = tmp_path / "out"
     args = ["transcribe", str(long_file), "--model", "whisper-base", "--format", "json", "--out", str(out),
             "--batch", "1"]
-    proc = subprocess.Popen([sys.executable, "-m", "engine", *args], env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     recorded = 0
     deadline = time.time() + 600

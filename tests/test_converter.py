@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.ct2_whisper import convert_to_transformers, read_ct2_model, whisper_config_dict
+from engine.whisper.ct2 import convert_to_transformers, read_ct2_model, whisper_config_dict
 from engine.errors import ModelError
 from engine.models import resolve
 

@@ -8,12 +8,12 @@ near-tie (gap between the two best reference logits below 1e-3) at the first dif
 import pytest
 from parity import assert_same_or_near_tie
 
-from engine.chat_reference import build_messages
-from engine.engine import ChatRequest, TranscribeRequest
+from engine.chat.reference import build_messages
+from engine import ChatRequest, TranscribeRequest
 from engine.errors import CadenceError
 from engine.sampling import SamplingParams
-from engine.transcribe import transcribe_file
-from engine.whisper_reference import WhisperReference
+from engine.whisper.pipeline import transcribe_file
+from engine.whisper.reference import WhisperReference
 
 PROMPTS = [
     "What is the capital of France?",
@@ -30,8 +30,8 @@ def test_single_request_is_exact_with_batching_on_and_off(engine4, engine_off, c
     want = chat_ref.generate(ids, SamplingParams(max_tokens=32)).tokens
     on = engine4.submit(ChatRequest(PROMPTS[1], params=SamplingParams(max_tokens=32))).result(300)
     off = engine_off.submit(ChatRequest(PROMPTS[1], params=SamplingParams(max_tokens=32))).result(300)
-    assert on["tokens"] == off["tokens"]  # the same kernels alone: byte-identical
-    assert_same_or_near_tie(chat_ref, ids, on["tokens"], want)  # and the transformers yardstick
+    assert on.tokens == off.tokens  # the same kernels alone: byte-identical
+    assert_same_or_near_tie(chat_ref, ids, on.tokens, want)  # and the transformers yardstick
 
 
 def test_batched_chat_equals_serial_with_joins_and_a_cancellation(engine4, chat_ref):
@@ -44,13 +44,13 @@ def test_batched_chat_equals_serial_with_joins_and_a_cancellation(engine4, chat_
             doomed.cancel()
             break
     results = [h.result(600) for h in handles]
-    assert doomed.result(600)["finish_reason"] == "cancelled"
+    assert doomed.result(600).finish_reason == "cancelled"
     for prompt, result in zip(PROMPTS, results):
         ids = chat_ref.prompt_ids(build_messages(prompt))
         want = chat_ref.generate(ids, params).tokens
-        assert_same_or_near_tie(chat_ref, ids, result["tokens"], want)
-        stats = result["stats"]
-        assert stats["tokens"] == len(result["tokens"])
+        assert_same_or_near_tie(chat_ref, ids, result.tokens, want)
+        stats = result.stats
+        assert stats["tokens"] == len(result.tokens)
         assert stats["time_to_first_token"] is not None and stats["end_to_end"] >= stats["time_to_first_token"]
 
 
@@ -62,7 +62,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(engine4, engine_off):
     together = engine4.submit(ChatRequest("Tell me about dragons.", params=params)).result(300)
     for h in crowd:
         h.result(300)
-    assert alone["tokens"] == together["tokens"]
+    assert alone.tokens == together.tokens
 
 
 def test_batched_whisper_equals_the_reference(engine4, tiny, speech):
@@ -92,7 +92,7 @@ def test_bad_requests_fail_with_a_sentence_and_the_engine_keeps_serving(engine4,
     with pytest.raises(CadenceError, match="Unknown model"):
         engine4.submit(ChatRequest("hi", model="no-such-model")).result(60)
     ok = engine4.submit(ChatRequest("Name a color.", params=SamplingParams(max_tokens=4))).result(300)
-    assert ok["tokens"]
+    assert ok.tokens
 
 
 def test_lane_reports_bounded_cache_memory(engine4):

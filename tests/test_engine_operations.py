@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from engine.calibration import MIN_SLOT_SHARE, calibrate, choose_width
-from engine.engine import ChatRequest, Engine, TranscribeRequest, parse_batch
+from engine import ChatRequest, Engine, TranscribeRequest
+from engine.engine import parse_batch
 from engine.errors import CadenceError
 from engine.families.whisper import WhisperBatched
 from engine.loading import source_key
@@ -86,7 +87,7 @@ def test_step_log_and_counters_agree_with_the_results(tmp_path):
     try:
         params = SamplingParams(max_tokens=12)
         handles = [engine.submit(ChatRequest(p, params=params)) for p in ("Name a bird.", "Name a tree.", "Hi!")]
-        produced = sum(len(h.result(300)["tokens"]) for h in handles)
+        produced = sum(len(h.result(300).tokens) for h in handles)
         counters = engine.status()["lanes"]["smollm2-135m-instruct"]["counters"]
     finally:
         engine.shutdown()
@@ -211,12 +212,12 @@ def test_preparation_runs_to_readiness_when_nobody_is_decoding(shared):
 
 
 def test_a_submit_that_races_shutdown_still_gets_its_final_event():
-    from engine.engine import Handle
+    from engine import Handle
 
     engine = Engine(backend="cpu", batch=1)
     engine._stop.set()  # shutdown has begun: its stop command is queued ...
     engine._commands.put(("stop", None))
-    late = Handle(engine, ChatRequest("hello"))
+    late = Handle(ChatRequest("hello"), on_cancel=engine.cancel, on_end=engine._forget)
     engine._commands.put(("submit", late))  # ... and a submit that passed the check lands behind it
     engine.shutdown(timeout=30)
     with pytest.raises(CadenceError, match="shut down"):

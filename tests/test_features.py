@@ -4,7 +4,7 @@ import numpy as np
 from faster_whisper.feature_extractor import FeatureExtractor
 
 from engine.audio import load_audio
-from engine.whisper_features import WINDOW_FRAMES, log_mel, windows
+from engine.whisper.features import WINDOW_FRAMES, log_mel, windows
 
 
 def test_log_mel_matches_faster_whisper(speech):

@@ -7,7 +7,7 @@ import pytest
 from conftest import SPEECH, synthesize
 from parity import clip_timestamps
 
-from engine.engine import TranscribeRequest
+from engine import TranscribeRequest
 from engine.wer import wer as word_error_rate
 
 ENGLISH = ["fox", "report", "budget", "weather"]
@@ -52,9 +52,9 @@ def test_word_error_rate_is_within_the_limit_and_the_same_batched(model, engine4
 def test_timed_phrases_batched_and_drafted_equal_the_reference(engine4, engine_off, tiny, speech, monkeypatch):
     """With timestamps, the engine (4 slots, drafting, and one slot) writes the reference decoder's
     tokens, times included, and the segments are the phrases: a few seconds each, in order."""
-    import engine.transcribe as transcribe
-    from engine.whisper_features import pad_window
-    from engine.whisper_reference import WhisperReference
+    import engine.whisper.pipeline as transcribe
+    from engine.whisper.features import pad_window
+    from engine.whisper.reference import WhisperReference
 
     reference = WhisperReference(tiny)
 

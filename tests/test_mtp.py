@@ -9,8 +9,12 @@ import pytest
 import torch
 
 from engine.errors import CadenceError
-from engine.mtp import MTPHead, head_path, load_head, read_head
-from engine import mtp_train as T
+from engine.mtp.head import MTPHead, head_path, load_head, read_head
+from engine.mtp.command import matrices_of
+from engine.mtp.data import SeqData, chat_sample, speech_sample
+from engine.mtp.recipe import Recipe, recipe_for
+from engine.mtp.replay import all_chains, calibrate, measure, replay
+from engine.mtp.training import train_head
 
 D, V = 64, 300
 VOCAB = torch.arange(0, V, 3)  # a draft vocabulary of 100 ids
@@ -26,7 +30,7 @@ def _head(model: str = "toy-model", seed: int = 0) -> MTPHead:
     return MTPHead(model, D, V, VOCAB, ffn=96, meta={"recipe": {"steps": 1}})
 
 
-def _toy_data(n_seqs: int = 12, length: int = 40, seed: int = 0) -> T.SeqData:
+def _toy_data(n_seqs: int = 12, length: int = 40, seed: int = 0) -> SeqData:
     """Sequences with a learnable rule (next token from the current one), hidden states that carry the token."""
     g = torch.Generator().manual_seed(seed)
     embed, _ = _matrices()
@@ -38,11 +42,11 @@ def _toy_data(n_seqs: int = 12, length: int = 40, seed: int = 0) -> T.SeqData:
             t = int(VOCAB[(int(t) // 3 * 7 + 1) % len(VOCAB)])
     x = torch.tensor(tokens)
     hidden = embed[x] + 0.1 * torch.randn(len(tokens), D, generator=g)
-    return T.SeqData(hidden, x, x.clone(), torch.full((n_seqs,), length))
+    return SeqData(hidden, x, x.clone(), torch.full((n_seqs,), length))
 
 
-def _recipe(**kw) -> T.Recipe:
-    return T.Recipe("chat", batch=32, lr=3e-3, warmup=2, eval_every=10_000, checkpoint_every=2, bf16=False, **kw)
+def _recipe(**kw) -> Recipe:
+    return Recipe("chat", batch=32, lr=3e-3, warmup=2, eval_every=10_000, checkpoint_every=2, bf16=False, **kw)
 
 
 # ---------------------------------------------------------------- files
@@ -117,7 +121,7 @@ def _train(tmp_path, name: str, seed: int = 0, steps: int = 8, **kw) -> MTPHead:
     embed, lm_head = _matrices()
     folder = tmp_path / name
     folder.mkdir(exist_ok=True)
-    return T.train_head(None, _toy_data(), None, _recipe(), seed, steps, folder, embed=embed, lm_head=lm_head,
+    return train_head(None, _toy_data(), None, _recipe(), seed, steps, folder, embed=embed, lm_head=lm_head,
                         model="toy-model", vocab_ids=VOCAB, **kw)
 
 
@@ -135,7 +139,7 @@ def test_resume_continues_from_checkpoint(tmp_path):
     assert files == ["checkpoint.json", "checkpoint.safetensors"]  # safetensors + JSON, nothing pickled
     assert json.loads((tmp_path / "cut" / "checkpoint.json").read_text())["step"] == 4
     embed, lm_head = _matrices()
-    resumed = T.train_head(None, _toy_data(), None, _recipe(), 0, 8, tmp_path / "cut", resume=True,
+    resumed = train_head(None, _toy_data(), None, _recipe(), 0, 8, tmp_path / "cut", resume=True,
                            embed=embed, lm_head=lm_head, model="toy-model", vocab_ids=VOCAB)
     for name, p in whole.named_parameters():
         assert torch.equal(p, getattr(resumed, name)), name
@@ -144,9 +148,9 @@ def test_resume_continues_from_checkpoint(tmp_path):
 def test_training_learns_and_replay_counts(tmp_path):
     data = _toy_data()
     embed, lm_head = _matrices()
-    before = T.measure(_head().bind(embed, lm_head, prepare=False), data, 4)
+    before = measure(_head().bind(embed, lm_head, prepare=False), data, 4)
     head = _train(tmp_path, "learn", steps=60)
-    after = T.measure(head, data, 4)
+    after = measure(head, data, 4)
     assert after["rate"] > max(0.5, before["rate"] + 0.3)
     assert after["mean_acceptance_length"] > before["mean_acceptance_length"]
 
@@ -154,23 +158,23 @@ def test_training_learns_and_replay_counts(tmp_path):
 def test_replay_metrics_by_hand():
     # one sequence of greedy tokens 10 11 12 13 14 15; the drafts from each position are given
     greedy = torch.tensor([10, 11, 12, 13, 14, 15])
-    data = T.SeqData(torch.zeros(6, 2), greedy, greedy, torch.tensor([6]))
+    data = SeqData(torch.zeros(6, 2), greedy, greedy, torch.tensor([6]))
     drafts = torch.tensor([[11, 12, 99], [12, 13, 14], [13, 14, 15], [14, 99, 99], [15, 99, 99], [0, 0, 0]])
     probs = torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.2, 0.9], [0.9] * 3, [0.9] * 3, [0.9] * 3, [0.9] * 3])
-    m = T.replay(drafts, probs, data, 3)
+    m = replay(drafts, probs, data, 3)
     # from 0: accept 11 12, reject 99 -> move to 3; from 3: accept 14, reject -> 5 = end
     assert (m["steps"], m["drafts"], m["drafted"], m["accepted"]) == (2, 2, 5, 3)
     assert m["per_position"] == [1.0, 0.5, 0.0] and m["mean_acceptance_length"] == 2.5
     gated = probs.clone()
     gated[0, 1] = 0.4  # below min p: from 0 only 11 is drafted (and accepted) -> 2; from 2 all of 13 14 15
-    cut = T.replay(drafts, gated, data, 3, min_p=0.5)
+    cut = replay(drafts, gated, data, 3, min_p=0.5)
     assert (cut["steps"], cut["drafted"], cut["accepted"], cut["rate"]) == (2, 4, 4, 1.0)
 
 
 def test_calibration_and_selection(tmp_path):
     data = _toy_data()
     head = _train(tmp_path, "cal", steps=30)
-    temperature, info = T.calibrate(head, data)
+    temperature, info = calibrate(head, data)
     assert 0.5 <= temperature <= 3.5 and info["brier"] <= info["brier_at_1"]
     part = data.select([2, 0])
     assert part.lengths.tolist() == [40, 40] and torch.equal(part.emitted[:40], data.emitted[80:120])
@@ -178,7 +182,7 @@ def test_calibration_and_selection(tmp_path):
 
 def test_unknown_model_is_one_sentence():
     with pytest.raises(CadenceError) as err:
-        T.recipe_for("no-such-model")
+        recipe_for("no-such-model")
     assert "no-such-model" in str(err.value) and "\n" not in str(err.value)
 
 
@@ -201,15 +205,15 @@ SPEECH = [
 ]
 
 
-def _check_shipped(name: str, loaded, data: T.SeqData) -> None:
+def _check_shipped(name: str, loaded, data: SeqData) -> None:
     head = load_head(name)
     if head is None:
         pytest.skip(f"no shipped head for {name}")
     assert head.model == name and head.meta["recipe"]["seed"] == 0
     recorded = head.meta["heldout"]["first_draft_all_positions"]
-    embed, lm_head, _ = T.matrices_of(loaded)
+    embed, lm_head, _ = matrices_of(loaded)
     head.bind(embed, lm_head)
-    drafts, _ = T.all_chains(head, data, 1, fast=True)
+    drafts, _ = all_chains(head, data, 1, fast=True)
     at = torch.nonzero(data.remaining >= 1).flatten()  # every position with a next token: more samples than a replay
     rate = float((drafts[at, 0] == data.greedy[at + 1]).float().mean())
     assert len(at) >= 120, len(at)
@@ -217,12 +221,12 @@ def _check_shipped(name: str, loaded, data: T.SeqData) -> None:
 
 
 def test_shipped_chat_head(smollm):
-    from engine.mtp_prompts import HELD_OUT_PROMPTS
+    from engine.mtp.prompts import HELD_OUT_PROMPTS
 
-    _check_shipped("smollm2-135m-instruct", smollm, T.chat_sample(smollm, HELD_OUT_PROMPTS[:3], max_tokens=64))
+    _check_shipped("smollm2-135m-instruct", smollm, chat_sample(smollm, HELD_OUT_PROMPTS[:3], max_tokens=64))
 
 
 @pytest.mark.parametrize("name", ["whisper-tiny.en", "whisper-base"])
 def test_shipped_whisper_heads(name, request):
     loaded = request.getfixturevalue("tiny" if name == "whisper-tiny.en" else "base")
-    _check_shipped(name, loaded, T.speech_sample(loaded, SPEECH))
+    _check_shipped(name, loaded, speech_sample(loaded, SPEECH))

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from engine.engine import TranscribeRequest
-from engine.transcribe import cut_repetition, repetition_start
+from engine import TranscribeRequest
+from engine.whisper.pipeline import cut_repetition, repetition_start
 
 
 def test_a_looping_tail_is_cut_after_its_first_unit():

@@ -9,8 +9,8 @@ import pytest
 import torch
 from parity import assert_same_or_near_tie
 
-from engine.chat_reference import build_messages
-from engine.engine import ChatRequest
+from engine.chat.reference import build_messages
+from engine import ChatRequest
 from engine.errors import CadenceError
 from engine.sampling import SamplingParams, TokenPicker, pick_token
 from engine.text_stream import TextStream
@@ -30,7 +30,7 @@ def test_every_slot_honours_its_own_penalties(engine4, chat_ref):
     plain = chat_ref.generate(ids, SamplingParams(max_tokens=24)).tokens
     handles = [engine4.submit(ChatRequest(REPEAT, params=p)) for p in PENALIZED]
     for params, handle in zip(PENALIZED, handles):
-        got = handle.result(300)["tokens"]
+        got = handle.result(300).tokens
         want = chat_ref.generate(ids, params).tokens
         assert want != plain, f"{params} should change this answer"
         assert_same_or_near_tie(chat_ref, ids, got, want, params)
@@ -44,12 +44,13 @@ def test_stop_string_ends_the_answer_in_its_slot_only(engine4, chat_ref):
     for event in stopped:
         if event.kind == "delta":
             deltas.append(event.text)
-        result = event.result
+        elif event.kind == "finished":
+            result = event.answer
     full = beside.result(300)
-    assert result["finish_reason"] == "stop"
-    assert result["text"] == full["text"][: full["text"].index("3.")]  # ends just before the stop string
-    assert "".join(deltas) == result["text"]  # streamed text never showed the stop string
-    assert full["finish_reason"] == "length" and "3." in full["text"]  # the other slot went on
+    assert result.finish_reason == "stop"
+    assert result.text == full.text[: full.text.index("3.")]  # ends just before the stop string
+    assert "".join(deltas) == result.text  # streamed text never showed the stop string
+    assert full.finish_reason == "length" and "3." in full.text  # the other slot went on
 
 
 def test_reference_decoder_honours_stop_strings(chat_ref):
@@ -102,7 +103,7 @@ def test_seeded_sampling_with_every_rule_does_not_depend_on_the_batch(engine4, e
     together = engine4.submit(ChatRequest("Tell me about owls.", params=params)).result(300)
     for h in crowd:
         h.result(300)
-    assert alone["tokens"] == together["tokens"]
+    assert alone.tokens == together.tokens
 
 
 @pytest.mark.parametrize("field,value,words", [

@@ -4,9 +4,9 @@ from them, and the rest of a window the model left decoded as a follow-up part."
 import numpy as np
 import torch
 
-from engine.transcribe import FOLLOW_UP_MIN_S, MAX_PARTS, TranscriptionPlan, follow_up
-from engine.whisper_features import pad_window
-from engine.whisper_timestamps import TimestampRules
+from engine.whisper.pipeline import FOLLOW_UP_MIN_S, MAX_PARTS, TranscriptionPlan, follow_up
+from engine.whisper.features import pad_window
+from engine.whisper.timestamps import TimestampRules
 
 EOT, NO_TS, BEGIN, END = 50, 51, 52, 52 + 1500  # a made-up vocabulary: text 0..49, times 52..1552
 RULES = TimestampRules(eot=EOT, no_timestamps=NO_TS, begin=BEGIN, end=END, max_initial=BEGIN + 50)

@@ -8,11 +8,11 @@ import pytest
 
 from conftest import synthesize
 from engine.audio import load_audio
-from engine.transcribe import plan_transcription, plan_windows, transcribe_file
-from engine.vad import CHUNK, SAMPLE_RATE, SileroVad, VadOptions, speech_regions, vad_windows
+from engine.whisper.pipeline import plan_transcription, plan_windows, transcribe_file
+from engine.whisper.vad import CHUNK, SAMPLE_RATE, SileroVad, VadOptions, speech_regions, vad_windows
 from engine.wer import wer
-from engine.whisper_features import log_mel
-from engine.whisper_reference import WhisperReference
+from engine.whisper.features import log_mel
+from engine.whisper.reference import WhisperReference
 
 SENTENCES = [
     "The ferry leaves the harbour at seven and reaches the island just before noon.",
@@ -104,11 +104,11 @@ def test_overlong_speech_is_cut_late_and_leaves_no_crumb():
 
 
 def test_long_audio_is_read_in_blocks_with_the_same_probabilities(vad, dense, monkeypatch):
-    import engine.vad
+    import engine.whisper.vad
 
     audio = load_audio(dense[0])
     whole = vad(audio)
-    monkeypatch.setattr(engine.vad, "BLOCK", 100)  # ~3 s per call: dozens of calls, the state carried over
+    monkeypatch.setattr(engine.whisper.vad, "BLOCK", 100)  # ~3 s per call: dozens of calls, the state carried over
     assert np.array_equal(vad(audio), whole)
 
 
@@ -159,7 +159,7 @@ def test_cli_transcribes_with_either_windowing(speech, tmp_path):
 
     for windowing in ("vad", "fixed"):
         out = tmp_path / windowing
-        done = subprocess.run([sys.executable, "-m", "engine", "transcribe", str(speech["fox"]), "--model",
+        done = subprocess.run([sys.executable, "-m", "app.cli", "transcribe", str(speech["fox"]), "--model",
                                "whisper-tiny.en", "--windows", windowing, "--out", str(out), "--format", "txt"],
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr

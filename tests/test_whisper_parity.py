@@ -5,9 +5,9 @@ from faster_whisper import WhisperModel
 from parity import clip_timestamps
 
 from engine.audio import load_audio
-from engine.transcribe import plan_transcription, transcribe_file
-from engine.whisper_reference import WhisperReference
-from engine.whisper_timestamps import TimestampRules
+from engine.whisper.pipeline import plan_transcription, transcribe_file
+from engine.whisper.reference import WhisperReference
+from engine.whisper.timestamps import TimestampRules
 
 FW_OPTIONS = dict(beam_size=1, temperature=0, without_timestamps=True, condition_on_previous_text=False)
 

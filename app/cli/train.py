@@ -1,4 +1,4 @@
-"""``cadence train-mtp``: train the MTP draft head of a model by self-distillation (engine.mtp_train).
+"""``cadence train-mtp``: train the MTP draft head of a model by self-distillation (engine.mtp.command).
 
 Progress goes to stderr; the head is written to resources/mtp/<model>.safetensors unless --out.
 Generated data and checkpoints stay in a work folder under the user cache directory (or
@@ -28,7 +28,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from engine.mtp_train import train_mtp
+    from engine.mtp.command import train_mtp
 
     path, table = train_mtp(args.model, out=args.out, steps=args.steps, seed=args.seed, resume=args.resume,
                             data_dir=args.data_dir)
@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["train-mtp", *(sys.argv[1:] if argv is None else argv)])
     try:
-        from engine.cli import _quiet_libraries
+        from app.cli.common import quiet_libraries
 
-        _quiet_libraries()
+        quiet_libraries()
         return args.func(args)
     except CadenceError as exc:
         print(f"cadence: {exc}", file=sys.stderr)

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from engine.cli import _check_model, _err, _Session, drafting_flags, expand_inputs, parse_batch
+from app.cli.common import Session, check_model, drafting_flags, err, expand_inputs, parse_batch
 from engine.errors import CadenceError
 
 
@@ -26,7 +26,7 @@ def _target(job, fmt: str) -> Path | None:
     return folder / f"{Path(job.path).stem}.{fmt}"
 
 
-def _follow(session: _Session, handle, name: str, show_progress: bool) -> None:
+def _follow(session: Session, handle, name: str, show_progress: bool) -> None:
     shown = False
     for event in session.follow(handle):
         if show_progress and event.kind == "progress" and event.total > 1:
@@ -52,9 +52,9 @@ def cmd_transcribe(args) -> int:
     ids: list[int] = []
     if args.resume:
         ids += [job.id for job in jobs.unfinished()]
-        _err(f"Resuming {len(ids)} unfinished job{'s' if len(ids) != 1 else ''}.")
+        err(f"Resuming {len(ids)} unfinished job{'s' if len(ids) != 1 else ''}.")
     if args.files:
-        source = _check_model(args.model, WHISPER)
+        source = check_model(args.model, WHISPER)
         files = expand_inputs(args.files)
         if not files:
             raise CadenceError("No audio files were found in what was given.")
@@ -73,7 +73,7 @@ def cmd_transcribe(args) -> int:
 
     show_progress = sys.stderr.isatty()
     entries, failed = [], 0
-    with _Session(args.backend, batch, drafting_flags(args)) as session:
+    with Session(args.backend, batch, drafting_flags(args)) as session:
         handles = {}
         for job_id in ids:  # refuse what cannot be written before decoding anything
             job = jobs.get(job_id)
@@ -95,7 +95,7 @@ def cmd_transcribe(args) -> int:
                 _follow(session, handles[job_id], name, show_progress)
                 transcript = settle_job(jobs, job_id, handles[job_id], job.model)
                 s = transcript.stats
-                _err(f"{job.path}: {s['tokens']} tokens in {s['seconds']:.2f} s "
+                err(f"{job.path}: {s['tokens']} tokens in {s['seconds']:.2f} s "
                      f"({s['tok_s']} tok/s, {s['realtime_factor']}x real time)")
                 entry = transcript.to_json() | {"file": job.path, "model": job.model, "job": job_id}
                 target = _target(job, job_fmt)
@@ -110,17 +110,17 @@ def cmd_transcribe(args) -> int:
             except CadenceError as exc:
                 failed += 1
                 entry = {"file": job.path, "job": job_id, "error": str(exc)}
-                _err(f"{job.path}: {exc}")
+                err(f"{job.path}: {exc}")
             except OSError as exc:  # writing the output failed
                 failed += 1
                 entry = {"file": job.path, "job": job_id,
                          "error": f"The output for {name} could not be written ({exc.strerror or exc})."}
                 jobs.failed(job_id, entry["error"])
-                _err(f"{job.path}: {entry['error']}")
+                err(f"{job.path}: {entry['error']}")
             entries.append(entry)
         elapsed = session.elapsed()
         note = session.width_note(args.model)
     if args.json:
         print(json.dumps(entries, ensure_ascii=False, indent=2))
-    _err(f"{len(ids) - failed} of {len(ids)} file{'s' if len(ids) != 1 else ''} transcribed in {elapsed:.2f} s{note}.")
+    err(f"{len(ids) - failed} of {len(ids)} file{'s' if len(ids) != 1 else ''} transcribed in {elapsed:.2f} s{note}.")
     return 1 if failed else 0

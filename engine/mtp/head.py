@@ -14,7 +14,7 @@ temperature is fitted after training on validation text, so ``p`` is an honest c
 model's frozen token embedding and output matrix are reused (given to :meth:`MTPHead.bind`), not
 stored, so a head file holds only the head's own weights: a few MB of safetensors whose
 metadata names the model, its sizes, the head's configuration, how it was trained and its
-held-out acceptance. Heads are trained by ``cadence train-mtp`` (:mod:`engine.mtp_train`).
+held-out acceptance. Heads are trained by ``cadence train-mtp`` (:mod:`engine.mtp.command`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from engine.kernels import Linear
 
 FORMAT = "cadence-mtp"
 FORMAT_VERSION = 1
-RESOURCE_DIR = Path(__file__).resolve().parent.parent / "resources" / "mtp"
+RESOURCE_DIR = Path(__file__).resolve().parents[2] / "resources" / "mtp"
 EPS = 1e-6
 PARAMS = ("norm_h", "norm_e", "fc", "norm_z", "gate_up", "down", "norm_out", "bias_out")
 

@@ -7,7 +7,7 @@ training split, so held-out acceptance measures a head on text it never saw. A v
 (topics of its own) calibrates the head's probabilities.
 
 Whisper heads are trained on speech of the chat model's answers to these prompts (see
-:mod:`engine.mtp_train`), so the same split separates their training and held-out speech.
+:mod:`engine.mtp.command`), so the same split separates their training and held-out speech.
 """
 
 from __future__ import annotations

@@ -7,23 +7,15 @@ yardstick for the batched engine's chat path.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from engine.api import ChatAnswer, PromptFitting
 from engine.errors import RequestError
 from engine.loading import LoadedModel
 from engine.sampling import SamplingParams, TokenPicker
 from engine.text_stream import TextStream
-
-
-@dataclass
-class ChatResult:
-    text: str
-    tokens: list[int]
-    finish_reason: str  # "stop" (end of turn) or "length" (max tokens)
-    stats: dict = field(default_factory=dict)
 
 
 def build_messages(prompt: str, system: str | None = None, history: list[dict] | None = None) -> list[dict]:
@@ -59,7 +51,7 @@ class ChatReference:
         prompt_ids: list[int],
         params: SamplingParams | None = None,
         on_token: Callable[[int, str], None] | None = None,
-    ) -> ChatResult:
+    ) -> ChatAnswer:
         params = (params or SamplingParams()).validate()
         if len(prompt_ids) >= self.context_length:
             raise RequestError(
@@ -104,4 +96,5 @@ class ChatReference:
         if on_token and (rest := stream.flush()):
             on_token(tokens[-1], rest)
         text = stream.text if stream.stopped else self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return ChatResult(text=text, tokens=tokens, finish_reason=finish, stats=stats)
+        return ChatAnswer(text=text, tokens=tokens, finish_reason=finish, stats=stats,
+                          fitting=PromptFitting(prompt_tokens=len(prompt_ids)))

@@ -1,8 +1,8 @@
 """Transcribe one file or clip: audio -> log-mel -> 30-second windows -> text segments.
 
 The plan (language, prompt, windows) and the assembly of window results into a transcript are
-shared by the reference path and the batched engine (:func:`start_transcription`: one sequence
-per 30-second window, all queued at once, so windows of one long file and of many files share
+shared by the reference path here and the batched engine (:class:`engine.whisper.run.TranscriptionRun`:
+one sequence per window, all queued at once, so windows of one long file and of many files share
 the slots), so both apply the same rules.
 """
 
@@ -13,18 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from engine.audio import SAMPLE_RATE, load_audio
-from engine.errors import CadenceError, RequestError, record_fault
-from engine.drafting import DraftCounts
-from engine.models import WHISPER
-from engine.scheduler import Sequence
+from engine.errors import CadenceError, RequestError
 from engine.transcript import Segment, Transcript
-from engine.whisper_features import FRAMES_PER_SECOND, WINDOW_FRAMES, log_mel, pad_window, windows
-from engine.whisper_reference import WhisperReference, WindowResult
-from engine.whisper_timestamps import TIME_PRECISION, TimestampRules
-from engine.whisper_tokens import WhisperTokenizer
+from engine.whisper.features import FRAMES_PER_SECOND, WINDOW_FRAMES, log_mel, pad_window, windows
+from engine.whisper.reference import WhisperReference, WindowResult
+from engine.whisper.timestamps import TIME_PRECISION, TimestampRules
+from engine.whisper.tokens import WhisperTokenizer
 
 WINDOWINGS = ("vad", "fixed")
 LOOP_MIN_REPEATS = 4  # a tail repeating one unit this many times ...
@@ -98,7 +94,7 @@ def plan_windows(features: np.ndarray, samples: np.ndarray, windowing: str) -> l
     window edge), or every 30 s ("fixed", faster-whisper's sequential windows without timestamps)."""
     if windowing == "fixed":
         return list(windows(features))
-    from engine.vad import speech_probabilities, vad_windows
+    from engine.whisper.vad import speech_probabilities, vad_windows
 
     content = features.shape[-1] - 1  # the last frame comes from the padding tail
     spans = []
@@ -258,14 +254,24 @@ def window_segments(tok: WhisperTokenizer, rules: TimestampRules | None, tokens:
     return segments
 
 
+def left_out(result: WindowResult) -> bool:
+    """A window the transcript leaves out: the model calls it silence and its words were unsure anyway."""
+    return result.no_speech_prob > NO_SPEECH_THRESHOLD and result.avg_logprob <= LOGPROB_THRESHOLD
+
+
+def result_segments(plan: TranscriptionPlan, tok: WhisperTokenizer, index: int, result: WindowResult) -> list[Segment]:
+    """Window ``index``'s segments exactly as the finished transcript has them (none when it is left out)."""
+    if left_out(result):
+        return []
+    start, end = plan.window_times()[index]
+    return window_segments(tok, TimestampRules.of(tok) if plan.timestamps else None, result.tokens, start, end)
+
+
 def assemble_transcript(plan: TranscriptionPlan, tok: WhisperTokenizer, results: list[WindowResult]) -> Transcript:
     """Window results, in window order, into segments; silent windows are skipped, loops cut."""
     segments: list[Segment] = []
-    rules = TimestampRules.of(tok) if plan.timestamps else None
-    for (start, end), result in zip(plan.window_times(), results):
-        if result.no_speech_prob > NO_SPEECH_THRESHOLD and result.avg_logprob <= LOGPROB_THRESHOLD:
-            continue
-        segments += window_segments(tok, rules, result.tokens, start, end)
+    for index, result in enumerate(results):
+        segments += result_segments(plan, tok, index, result)
     n_tokens = sum(len(r.tokens) for r in results)
     seconds = time.perf_counter() - plan.started
     return Transcript(
@@ -307,97 +313,3 @@ def transcribe_file(decoder: WhisperReference, path: str | Path, language=None, 
                     windowing: str = "vad", timestamps: bool = False) -> Transcript:
     return transcribe_samples(decoder, load_audio(path), language, task, name=str(path), windowing=windowing,
                               timestamps=timestamps)
-
-
-def start_transcription(engine, handle, plan: TranscriptionPlan) -> list[Sequence]:
-    """One sequence per window still to decode, on the model's lane (engine thread)."""
-    from engine.engine import Event
-
-    req = handle.request
-    lane = engine.lane(req.model, WHISPER)
-    ref = engine.reference(req.model)
-    decoder = lane.decoder
-    if plan.language is None and plan.has_speech:
-        detect_plan_language(ref, plan)
-    results: dict[int, WindowResult] = {i: plan.silent_result() for i in plan.silent}
-    still_valid = req.on_plan(plan) if req.on_plan else True  # False: the earlier windows lay elsewhere
-    done = (req.done_windows or {}) if still_valid is not False else {}
-    results.update({i: r for i, r in done.items() if 0 <= i < len(plan.spans)})
-    handle._emit(Event("started", handle.id, done=len(results), total=len(plan.spans), text=plan.language,
-                       result=plan.window_times()))  # where each window lies, for a live view of the file
-
-    drafting = DraftCounts()  # this file's windows' drafts, for its stats
-
-    def finish_if_complete():
-        if len(results) == len(plan.spans):
-            ordered = [results[i] for i in range(len(plan.spans))]
-            transcript = assemble_transcript(plan, ref.tok, ordered)
-            transcript.stats["drafting"] = drafting.to_json()
-            handle._emit(Event("finished", handle.id, result=transcript))
-
-    rules = TimestampRules.of(ref.tok) if plan.timestamps else None
-
-    def on_token(seq, token) -> bool:  # stop a window that has fallen into a repetition loop
-        text = rules.text_only(seq.tokens) if rules else seq.tokens
-        return len(text) >= LOOP_MIN_TOKENS and repetition_start(text) is not None
-
-    features: dict[Sequence, np.ndarray] = {}  # what each sequence decodes: a window, or the rest of one
-    decoding: dict[int, WindowDecoding] = {}  # windows with a follow-up part still to decode
-
-    def prepare(seq, slot):  # on joining a slot: encode this window into the slot's cross-attention memory,
-        # a generator the lane advances: a layer at a time, as the lane finds room (see Lane._prepare)
-        window = torch.from_numpy(features.pop(seq))[None].to(decoder.device, decoder.cross_k.dtype)
-        encoded = yield from decoder.encode_in_steps(window)
-        decoder.set_memory(slot, encoded[0])
-
-    def add(index: int, window: np.ndarray, size: int) -> None:  # size: frames of content, for the joining order
-        seq = Sequence(list(plan.prompt), decoder.max_len - len(plan.prompt), {ref.tok.eot},
-                       suppress=ref.suppress, begin_suppress=ref.begin_suppress, rules=rules and rules.apply,
-                       prepare=prepare, on_token=on_token, on_finish=on_finish,
-                       probe_row=plan.prompt.index(ref.tok.sot), track_logprob=True, handle=handle, index=index,
-                       size=size)
-        features[seq] = window
-        lane.add(seq)
-        seqs.append(seq)
-
-    def on_finish(seq):
-        if handle._final is not None:  # the request already failed or was cancelled
-            return
-        if seq.finish_reason == "cancelled":
-            handle._emit(Event("failed", handle.id, message=f"{plan.name}: transcription was cancelled."))
-            return
-        drafting.merge(seq.draft_counts)
-        window_decoding = decoding.pop(seq.index, None)
-        if window_decoding is None:  # the window's first part
-            head = WindowResult(seq.tokens, ref.no_speech_probability(seq.probe_logits),
-                                seq.logprob_sum / (len(seq.tokens) + 1))
-            window_decoding = WindowDecoding(head, seq.tokens)
-        else:  # the rest of a window, decoded after its earlier parts
-            window_decoding.join(rules, seq.tokens)
-        rest = window_decoding.rest(plan, rules, seq.index, seq.tokens)
-        if rest is not None:  # the model left the rest of the window: decode it as a part of its own
-            decoding[seq.index] = window_decoding
-            add(seq.index, rest, plan.spans[seq.index][1] - steps_to_frames(window_decoding.steps))
-            return
-        window = window_decoding.result()
-        results[seq.index] = window
-        if req.on_window:
-            try:  # the caller's record of a window (the job store) failing ends this file, not the lane
-                req.on_window(seq.index, window)
-            except Exception as exc:
-                for other in seqs:
-                    other.cancelled = True
-                message = (f"{plan.name}: its progress could not be recorded ({exc.__class__.__name__}: {exc}); "
-                           f"details are in {record_fault(exc)}.")
-                handle._emit(Event("failed", handle.id, message=message))
-                return
-        handle._emit(Event("progress", handle.id, done=len(results), total=len(plan.spans), index=seq.index,
-                           result=window, text=ref.tok.decode(cut_repetition(window.tokens, rules)).strip()))
-        finish_if_complete()
-
-    seqs = []
-    for index, (_, size, window) in enumerate(plan.spans):
-        if index not in results:
-            add(index, window, size)
-    finish_if_complete()  # every window was done in an earlier run
-    return seqs

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from engine.loading import LoadedModel
-from engine.whisper_timestamps import TimestampRules
+from engine.whisper.timestamps import TimestampRules
 
 MAX_LENGTH = 448  # decoder positions, prompt included
 

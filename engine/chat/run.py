@@ -2,13 +2,13 @@
 
 Runs on the engine thread. The rules (chat template, stop tokens, sampling) are the reference
 decoder's, so the engine's output is held to the same tokens. (Transcription requests:
-:func:`engine.transcribe.start_transcription`.)
+:class:`engine.whisper.run.TranscriptionRun`.)
 
 Fitting the context (here because the tokenizer and the slot length live on the engine thread):
 the prompt gets at most ``max_len - room`` tokens of a slot, where ``room`` keeps space for the
 answer: its max tokens, but at most half the slot (the lane still stops any answer at the slot's
 end). When system prompt + history + message are longer, the oldest turns of the history are
-left out (never the system prompt) and the result says how many (``dropped_turns``); when the
+left out (never the system prompt) and :class:`~engine.api.PromptFitting` says how many; when the
 system prompt and the message alone are too long, the request fails with a sentence. A
 :class:`DocumentChatRequest` also carries a long text (a transcript) for its system prompt,
 which is cut between parts to fit.
@@ -16,30 +16,16 @@ which is cut between parts to fit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
-from engine.chat_reference import build_messages
-from engine.engine import ChatRequest
+from engine.api import ChatAnswer, ChatStarted, Delta, DocumentChatRequest, Finished, Handle, PromptFitting
+from engine.chat.reference import ChatReference, build_messages
 from engine.errors import RequestError
-from engine.models import CHAT
 from engine.scheduler import Sequence
 from engine.text_stream import TextStream
 
 DOCUMENT_SHARE = 0.75  # a document's system prompt + first message take at most this share of the prompt budget
 MAX_CHARS_PER_TOKEN = 16  # no tokenizer packs more natural text into one token: bounds the document search
-
-
-@dataclass
-class DocumentChatRequest(ChatRequest):
-    """A chat request whose system prompt holds a long document, cut to fit: ``system_for(n)`` is the
-    system prompt with the first ``n`` of the document's ``parts`` (so ``system_for(parts)`` is
-    uncut). The largest ``n`` whose prompt takes at most :data:`DOCUMENT_SHARE` of the budget is
-    used, leaving room for the turns that follow; the ``started`` event and the result report the
-    system prompt chosen and ``n``."""
-
-    parts: int = 0
-    system_for: Callable[[int], str] | None = None
 
 
 def prompt_budget(max_len: int, max_tokens: int) -> int:
@@ -114,53 +100,54 @@ def fit_document(render: Callable[[list[dict]], list[int]], request: DocumentCha
     return request.system_for(lo), lo
 
 
-def start_chat(engine, handle) -> list[Sequence]:
-    from engine.engine import Event
+class ChatRun:
+    """One chat request on its model's lane (engine thread): the prompt fitted to a slot, one sequence,
+    and its tokens turned into events and a :class:`ChatAnswer`."""
 
-    req = handle.request
-    params = req.params.validate()
-    lane = engine.lane(req.model, CHAT)
-    ref = engine.reference(req.model)
-    max_len = lane.decoder.max_len
-    fitted: dict = {}
-    if req.prompt_ids:  # given ids bypass the template and the fitting
-        ids = list(req.prompt_ids)
-        if len(ids) >= max_len:
-            raise RequestError(f"The prompt is {len(ids)} tokens, more than the {max_len} a slot holds.")
-    else:
+    def __init__(self, handle: Handle, lane, reference: ChatReference):
+        self.handle, self.lane, self.ref = handle, lane, reference
+
+    def fit(self, params) -> tuple[list[int], PromptFitting]:
+        """The prompt ids and how they were fitted (RequestError when they cannot fit)."""
+        req, ref = self.handle.request, self.ref
+        max_len = self.lane.decoder.max_len
+        if req.prompt_ids:  # given ids bypass the template and the fitting
+            ids = list(req.prompt_ids)
+            if len(ids) >= max_len:
+                raise RequestError(f"The prompt is {len(ids)} tokens, more than the {max_len} a slot holds.")
+            return ids, PromptFitting(prompt_tokens=len(ids))
+        fitting = PromptFitting()
         budget = prompt_budget(max_len, params.max_tokens)
         system = req.system
         if isinstance(req, DocumentChatRequest) and req.system_for is not None:
-            system, fitted["document_parts"] = fit_document(ref.prompt_ids, req, budget)
-            fitted["system"] = system
-        ids, fitted["dropped_turns"] = fit_history(ref.prompt_ids, system, req.history, req.prompt, budget)
-    fitted["prompt_tokens"] = len(ids)
-    stream = TextStream(ref.tokenizer, params.stop)
+            system, fitting.document_parts = fit_document(ref.prompt_ids, req, budget)
+            fitting.system = system
+        ids, fitting.dropped_turns = fit_history(ref.prompt_ids, system, req.history, req.prompt, budget)
+        fitting.prompt_tokens = len(ids)
+        return ids, fitting
 
-    def on_token(seq, token) -> bool:
-        piece = stream.push(token)
-        handle._emit(Event("delta", handle.id, text=piece, tokens=[token]))
-        return stream.stopped  # a stop string ends the answer here
+    def start(self) -> list[Sequence]:
+        handle = self.handle
+        params = handle.request.params.validate()
+        ids, fitting = self.fit(params)
+        stream = TextStream(self.ref.tokenizer, params.stop)
 
-    def on_finish(seq):
-        rest = stream.flush()
-        if rest:
-            handle._emit(Event("delta", handle.id, text=rest))
-        # A cancelled answer is still a result: the tokens produced so far, marked "cancelled". The text is
-        # what was streamed (a half-written character at the end is left out, never shown as U+FFFD).
-        result = {
-            "text": stream.text,
-            "tokens": list(seq.tokens),
-            "finish_reason": seq.finish_reason,
-            "stats": {"prompt_tokens": len(ids), **seq.timings()},
-            **{k: v for k, v in fitted.items() if k != "prompt_tokens"},
-        }
-        if "dropped_turns" in fitted:
-            result["stats"]["dropped_turns"] = fitted["dropped_turns"]
-        handle._emit(Event("finished", handle.id, result=result))
+        def on_token(seq, token) -> bool:
+            handle.emit(Delta(handle.id, text=stream.push(token), tokens=[token]))
+            return stream.stopped  # a stop string ends the answer here
 
-    seq = Sequence(ids, params.max_tokens, ref.stop_ids, params=params, on_token=on_token, on_finish=on_finish,
-                   handle=handle)
-    handle._emit(Event("started", handle.id, result=dict(fitted)))  # how the prompt was fitted
-    lane.add(seq)
-    return [seq]
+        def on_finish(seq):
+            rest = stream.flush()
+            if rest:
+                handle.emit(Delta(handle.id, text=rest))
+            # The text is what was streamed (a half-written character at the end is left out, never U+FFFD).
+            stats = {"prompt_tokens": len(ids), "dropped_turns": fitting.dropped_turns, **seq.timings()}
+            answer = ChatAnswer(text=stream.text, tokens=list(seq.tokens), finish_reason=seq.finish_reason,
+                                stats=stats, fitting=fitting)
+            handle.emit(Finished(handle.id, answer=answer))
+
+        seq = Sequence(ids, params.max_tokens, self.ref.stop_ids, params=params, on_token=on_token,
+                       on_finish=on_finish, handle=handle)
+        handle.emit(ChatStarted(handle.id, fitting=fitting))
+        self.lane.add(seq)
+        return [seq]

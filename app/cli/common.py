@@ -1,0 +1,143 @@
+"""What every ``cadence`` command shares: messages on stderr, the engine session, engine flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Self
+
+from engine.errors import CadenceError
+
+INTERRUPT_SHUTDOWN_S = 3  # after Ctrl-C, wait at most this long for the engine thread (it is a daemon)
+
+
+def err(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def parse_batch(text: str | None) -> str | int | None:
+    """--batch: the engine's rule (auto, off or N >= 1); None (flag not given) lets the engine read CADENCE_BATCH."""
+    from engine.engine import parse_batch as engine_parse_batch
+
+    if text is None:
+        return None
+    try:
+        return engine_parse_batch(text)
+    except CadenceError as exc:
+        raise CadenceError(f"--batch: {exc}") from None
+
+
+def check_model(name: str, family: str):
+    """Resolve the model and check its family before anything loads, so a wrong name is a usage error."""
+    from engine.models import WHISPER, resolve
+
+    source = resolve(name)
+    if source.family != family:
+        kind = "a speech-to-text (Whisper)" if family == WHISPER else "a chat"
+        raise CadenceError(f"{source.name} is not {kind} model.")
+    return source
+
+
+class Session:
+    """An engine for one command: handles are cancelled on Ctrl-C, and the engine always shuts down."""
+
+    def __init__(self, backend: str, batch: str | int | None, drafting: dict | None = None):
+        from engine import Engine
+
+        # batch None: the engine reads CADENCE_BATCH; drafter None: CADENCE_DRAFTER
+        self.engine = Engine(backend=backend, batch=batch, **(drafting or {}))
+        self.handles: list = []
+        self.created = time.perf_counter()
+        self.first_started: float | None = None
+
+    def width_note(self, model: str) -> str:
+        """', batch width N (from ...)' for a model whose lane is loaded, else ''."""
+        lane = self.engine.status()["lanes"].get(model)
+        if not lane:
+            return ""
+        return f", batch width {lane['width']} ({lane['width_from']}), {drafting_note(lane['drafting'])}"
+
+    def submit(self, request):
+        handle = self.engine.submit(request)
+        self.handles.append(handle)
+        return handle
+
+    def follow(self, handle):
+        """The handle's events as they arrive; notes when the first request started (its model loaded)."""
+        for event in handle:
+            if event.kind == "started" and self.first_started is None:
+                self.first_started = time.perf_counter()
+            yield event
+
+    def elapsed(self) -> float:
+        """Seconds since the first request started, so model loading is not counted."""
+        return time.perf_counter() - (self.first_started or self.created)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if kind is not None and issubclass(kind, KeyboardInterrupt):
+            for handle in self.handles:
+                handle.cancel()
+            self.engine.shutdown(timeout=INTERRUPT_SHUTDOWN_S)
+        else:
+            self.engine.shutdown()
+
+
+def expand_inputs(items: list[str]) -> list[Path]:
+    """Files as given; folders expanded recursively to their audio and video files, sorted."""
+    out: list[Path] = []
+    for item in items:
+        p = Path(item).expanduser()
+        if p.is_dir():
+            from engine.audio import audio_files
+
+            out += audio_files(p)
+        else:
+            out.append(p)
+    return out
+
+
+def drafting_note(drafting: dict) -> str:
+    """'drafting with ngram: 61% of 230 drafts accepted' or 'drafting off (why)'."""
+    if drafting.get("state") != "on":
+        return f"drafting {drafting.get('state', 'off')}"
+    if not drafting.get("drafted"):
+        return f"drafting with {drafting['drafter']}: nothing drafted"
+    return (f"drafting with {drafting['drafter']}: {drafting['acceptance']:.0%} of {drafting['drafted']} drafts accepted, "
+            f"{drafting['mean_acceptance_length']} tokens per check")
+
+
+def add_engine_flags(p: argparse.ArgumentParser, backends) -> None:
+    p.add_argument("--batch", default=None, metavar="auto|off|N",
+                   help="slots decoded together: auto (measured for this machine), off (one at a time, the exact "
+                        "single-stream path) or N (default: $CADENCE_BATCH, else auto)")
+    p.add_argument("--backend", choices=backends, default="auto")
+    p.add_argument("--drafter", default=None, metavar="auto|mtp|ngram|draft:MODEL|off",
+                   help="how tokens are drafted ahead and checked in the same step: auto (the model's MTP head, else "
+                        "n-gram lookup), mtp, ngram, draft:MODEL (a smaller model with the same tokenizer) or off "
+                        "(default: $CADENCE_DRAFTER, else auto); output is the same either way")
+    p.add_argument("--draft-depth", type=int, default=None, metavar="N",
+                   help="draft N tokens per slot and step (default: chosen per slot, each step)")
+    p.add_argument("--draft-min-p", type=float, default=0.0, metavar="P",
+                   help="skip MTP drafts the head gives less than probability P (default 0)")
+
+
+def drafting_flags(args) -> dict:
+    """The engine's drafting arguments from the command line."""
+    return {"drafter": args.drafter, "draft_depth": args.draft_depth, "draft_min_p": args.draft_min_p}

@@ -1,0 +1,289 @@
+"""What callers hand the engine and what they get back: requests, handles and events.
+
+A leaf module: it imports nothing of the engine's machinery, so the request adapters, the
+conversation store and the front ends can all speak this language without importing the engine
+(or each other). Each event kind has fields of its own, named for what they hold:
+
+- ``started``: a chat's :class:`ChatStarted` (how its prompt was fitted to the context), a
+  transcription's :class:`TranscriptionStarted` (its language and where each window lies);
+- ``delta``: :class:`Delta`, new text and the tokens that made it;
+- ``progress``: :class:`Progress`, one transcription window finished, with its segments as the
+  finished transcript will have them;
+- ``finished``: :class:`Finished`, the chat's :class:`ChatAnswer` or the :class:`Transcript`;
+- ``failed``: :class:`Failed`, one sentence.
+
+Consumers that cannot keep up with hundreds of deltas a second read coalesced events
+(:func:`drain` + :func:`coalesce`, or :func:`follow`): whatever is pending arrives as one delta.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Iterator
+
+from engine.errors import CadenceError
+from engine.models import DEFAULT_CHAT, DEFAULT_WHISPER
+from engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from engine.transcript import Segment, Transcript
+    from engine.whisper.reference import WindowResult
+
+
+# ---------------------------------------------------------------------------- requests
+@dataclass
+class ChatRequest:
+    prompt: str = ""
+    system: str | None = None
+    history: list[dict] = field(default_factory=list)
+    model: str = DEFAULT_CHAT
+    params: SamplingParams = field(default_factory=SamplingParams)
+    prompt_ids: list[int] | None = None  # bypasses the chat template when given
+
+
+@dataclass
+class DocumentChatRequest(ChatRequest):
+    """A chat request whose system prompt holds a long document, cut to fit: ``system_for(n)`` is the
+    system prompt with the first ``n`` of the document's ``parts`` (so ``system_for(parts)`` is
+    uncut). The largest ``n`` whose prompt fits its share of the context is used, leaving room for
+    the turns that follow; :class:`PromptFitting` reports the system prompt chosen and ``n``."""
+
+    parts: int = 0
+    system_for: Callable[[int], str] | None = None
+
+
+@dataclass
+class TranscribeRequest:
+    audio: str | Path | np.ndarray  # a path, or 16 kHz mono samples
+    model: str = DEFAULT_WHISPER
+    language: str | None = None
+    task: str = "transcribe"
+    name: str = ""
+    windowing: str = "vad"  # "vad": windows cut in the pauses of speech; "fixed": every 30 s
+    timestamps: bool = False  # True: the model times each phrase (segments of a few seconds), else one per window
+    # Resuming: windows finished in an earlier run (index -> WindowResult) are not decoded again.
+    done_windows: dict | None = None
+    # Called on the engine thread as soon as the plan is made (with the TranscriptionPlan) and as each
+    # window finishes (index, WindowResult), so a job store records them before anything else happens.
+    # on_plan returns False when the earlier run's windows lay elsewhere: done_windows are then unused.
+    on_plan: Callable | None = None
+    on_window: Callable | None = None
+
+
+# ---------------------------------------------------------------------------- results
+@dataclass
+class PromptFitting:
+    """How a chat prompt was fitted to the slot: its length, the oldest turns left out, and (a document
+    chat) the system prompt used with how many of the document's parts it holds."""
+
+    prompt_tokens: int = 0
+    dropped_turns: int = 0
+    system: str | None = None
+    document_parts: int | None = None
+
+
+@dataclass
+class ChatAnswer:
+    """A chat request's result. A cancelled answer is still one: the tokens produced so far, with
+    ``finish_reason`` "cancelled"."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str  # "stop", "length" or "cancelled"
+    stats: dict  # prompt_tokens, dropped_turns, timings (queue_wait, time_to_first_token, ...), drafting
+    fitting: PromptFitting = field(default_factory=PromptFitting)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------- events
+@dataclass
+class Event:
+    """Something that happened to one request; ``kind`` says what, and each kind has its own fields."""
+
+    request_id: int
+    kind: ClassVar[str] = ""
+
+    @property
+    def terminal(self) -> bool:
+        return self.kind in ("finished", "failed")
+
+
+@dataclass
+class ChatStarted(Event):
+    kind: ClassVar[str] = "started"
+    fitting: PromptFitting = field(default_factory=PromptFitting)
+
+
+@dataclass
+class TranscriptionStarted(Event):
+    kind: ClassVar[str] = "started"
+    language: str | None = None  # None: no speech, so no language to detect
+    window_times: list[tuple[float, float]] = field(default_factory=list)  # (start, end) seconds of each window
+    done: int = 0  # windows already done (silent, or decoded in an earlier run)
+    total: int = 0
+
+
+@dataclass
+class Delta(Event):
+    kind: ClassVar[str] = "delta"
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Progress(Event):
+    """One transcription window is done: its tokens, and its text and segments exactly as the finished
+    transcript will have them (none for a window it leaves out as silence)."""
+
+    kind: ClassVar[str] = "progress"
+    index: int = -1
+    done: int = 0
+    total: int = 0
+    window: WindowResult | None = None
+    text: str = ""
+    segments: list[Segment] = field(default_factory=list)
+    earlier: bool = False  # decoded in an earlier run (a resumed job), reported again as it starts
+
+
+@dataclass
+class Finished(Event):
+    kind: ClassVar[str] = "finished"
+    answer: ChatAnswer | None = None  # a chat's
+    transcript: Transcript | None = None  # a transcription's
+
+    @property
+    def result(self):
+        return self.answer if self.answer is not None else self.transcript
+
+
+@dataclass
+class Failed(Event):
+    kind: ClassVar[str] = "failed"
+    message: str = ""  # one sentence
+
+
+# ---------------------------------------------------------------------------- handles
+class Handle:
+    """What ``Engine.submit`` returns: iterate it for events, or wait for ``result()``. The engine
+    gives it ``on_end`` (called once with its terminal event) and ``on_cancel``."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, request, on_cancel: Callable[["Handle"], None] | None = None,
+                 on_end: Callable[["Handle"], None] | None = None):
+        self.id = next(self._ids)
+        self.request = request
+        self.events: queue.Queue[Event] = queue.Queue()
+        self.final: Event | None = None  # the terminal event, once emitted
+        self.cancelled = False
+        self._on_cancel = on_cancel
+        self._on_end = on_end
+
+    @property
+    def ended(self) -> bool:
+        return self.final is not None
+
+    def emit(self, event: Event) -> None:
+        if event.terminal:
+            self.final = event
+            if self._on_end is not None:
+                self._on_end(self)
+        self.events.put(event)
+
+    def fail(self, message: str) -> None:
+        """End the request with one sentence, unless it has ended already."""
+        if self.final is None:
+            self.emit(Failed(self.id, message=message))
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            event = self.events.get()
+            yield event
+            if event.terminal:
+                return
+
+    def result(self, timeout: float | None = None):
+        """Block until finished; return the :class:`ChatAnswer` or :class:`Transcript`, or raise
+        CadenceError with the failure's sentence."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        final = None
+        while final is None:
+            if self.final is not None and self.events.empty():  # its events were read elsewhere
+                final = self.final
+                break
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                event = self.events.get(timeout=remaining)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.id} did not finish in {timeout} s") from None
+            if event.terminal:
+                final = event
+        if isinstance(final, Failed):
+            raise CadenceError(final.message)
+        return final.result
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self._on_cancel is not None:
+            self._on_cancel(self)
+
+
+# ---------------------------------------------------------------------------- reading events
+def drain(events: queue.Queue, block: bool = True, timeout: float | None = None) -> list:
+    """Everything waiting in ``events`` now; with ``block``, first wait for at least one item."""
+    items = []
+    try:
+        items.append(events.get(block=block, timeout=timeout))
+    except queue.Empty:
+        return items
+    while True:
+        try:
+            items.append(events.get_nowait())
+        except queue.Empty:
+            return items
+
+
+def coalesce(events: Iterable[Event]) -> list[Event]:
+    """Consecutive delta events of one request merged into one (texts and tokens joined in order);
+    every other event kept as it is, in its place."""
+    out: list[Event] = []
+    run: list[Delta] = []
+
+    def close_run():
+        if len(run) == 1:
+            out.append(run[0])
+        elif run:
+            out.append(Delta(run[0].request_id, text="".join(e.text for e in run),
+                             tokens=[t for e in run for t in e.tokens]))
+        run.clear()
+
+    for event in events:
+        if isinstance(event, Delta) and (not run or run[0].request_id == event.request_id):
+            run.append(event)
+            continue
+        close_run()
+        if isinstance(event, Delta):
+            run.append(event)
+        else:
+            out.append(event)
+    close_run()
+    return out
+
+
+def follow(events: queue.Queue) -> Iterator[Event]:
+    """A handle's (or a reply's) events as they come, pending deltas merged into one, up to and
+    including the terminal event: a slow reader gets fewer, longer deltas, never less text."""
+    while True:
+        for event in coalesce(drain(events)):
+            yield event
+            if event.terminal:
+                return

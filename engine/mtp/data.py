@@ -1,0 +1,404 @@
+"""Data for MTP heads: what the frozen model emits, with its hidden state at every position.
+
+- chat: the model's own greedy answers (batched engine, at most ``max_tokens`` each) to the prompt
+  set of :mod:`engine.mtp.prompts`; the answers are then teacher-forced through the transformers
+  model to get its final-norm hidden state (``last_hidden_state``) at every answer position.
+- Whisper: text (the chat model's answers to the same prompt split, cut into 12-80 word pieces,
+  plus the prompt set's paragraphs) spoken by espeak-ng with varied voices and speeds (at most 27 s: one
+  30-s window of the engine) and transcribed greedily by the model itself (batched, with the engine's
+  prompt and token suppression), keeping the decoder's ``last_hidden_state`` at every position.
+
+Made once and kept in a work folder under the user cache directory, resumable shard by shard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.errors import CadenceError
+from engine.mtp.progress import quiet
+from engine.mtp.recipe import Recipe, recipe_for
+
+DATA_VERSION = 1
+VOICES = ["en-us+f3", "en-us+m3", "en-us+f2", "en-us+m1", "en-gb+f3", "en-gb+m3", "en-us", "en-gb-x-rp+f4",
+          "en-us+m7", "en-gb-scotland+f1"]
+
+
+
+# ---------------------------------------------------------------------------- data
+@dataclass
+class SeqData:
+    """Sequences laid end to end: ``hidden[i]`` emitted ``emitted[i]`` (greedy choice ``greedy[i]``)."""
+
+    hidden: torch.Tensor  # [N, d]
+    emitted: torch.Tensor  # [N] long
+    greedy: torch.Tensor  # [N] long
+    lengths: torch.Tensor  # [S] long
+    texts: list[str] = field(default_factory=list)
+
+    @property
+    def remaining(self) -> torch.Tensor:
+        """For each position, how many positions of its sequence follow it."""
+        ends = torch.cumsum(self.lengths, 0)
+        seq = torch.repeat_interleave(torch.arange(len(self.lengths)), self.lengths)
+        return ends[seq] - 1 - torch.arange(int(self.lengths.sum()))
+
+    @staticmethod
+    def concat(parts: list["SeqData"]) -> "SeqData":
+        return SeqData(torch.cat([p.hidden for p in parts]), torch.cat([p.emitted for p in parts]),
+                       torch.cat([p.greedy for p in parts]), torch.cat([p.lengths for p in parts]),
+                       [t for p in parts for t in p.texts])
+
+    def select(self, sequences: list[int]) -> "SeqData":
+        """Only the given sequences, in that order."""
+        starts = torch.cumsum(self.lengths, 0) - self.lengths
+        rows = torch.cat([torch.arange(int(starts[s]), int(starts[s] + self.lengths[s])) for s in sequences])
+        return SeqData(self.hidden[rows], self.emitted[rows], self.greedy[rows], self.lengths[sequences].clone(),
+                       [self.texts[s] for s in sequences] if self.texts else [])
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({"hidden": self.hidden.to(torch.float16).contiguous(), "emitted": self.emitted, "greedy": self.greedy,
+                   "lengths": self.lengths}, str(tmp), metadata={"texts": json.dumps(self.texts)})
+        tmp.replace(path)
+
+    @staticmethod
+    def load(path: Path) -> "SeqData":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            texts = json.loads((f.metadata() or {}).get("texts", "[]"))
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        return SeqData(t["hidden"].float(), t["emitted"], t["greedy"], t["lengths"], texts)
+
+
+def work_dir(source, data_dir: str | Path | None = None) -> Path:
+    """Where generated data and checkpoints live: --data-dir, else <cache>/mtp/<model>-<source key>."""
+    if data_dir:
+        path = Path(data_dir).expanduser()
+    else:
+        from engine.loading import source_key
+        from engine.paths import cache_dir
+
+        path = cache_dir() / "mtp" / f"{Path(source.name).name}-{source_key(source)}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _shards(folder: Path, prefix: str, items: list, size: int, make, progress, what: str) -> SeqData:
+    """Build (or reuse) the shards of ``items`` under ``folder``; ``make(chunk)`` -> SeqData."""
+    parts = []
+    chunks = [items[i : i + size] for i in range(0, len(items), size)]
+    tokens = 0
+    for n, chunk in enumerate(chunks):
+        path = folder / f"{prefix}-{n:03d}.safetensors"
+        if path.is_file():
+            part = SeqData.load(path)
+        else:
+            progress(f"{what}: shard {n + 1}/{len(chunks)} ({len(chunk)} items), {tokens} tokens so far", force=True)
+            part = make(chunk, n)
+            part.save(path)
+        parts.append(part)
+        tokens += int(part.lengths.sum())
+        progress(f"{what}: {n + 1}/{len(chunks)} shards, {tokens} tokens generated", force=True)
+    return SeqData.concat(parts)
+
+
+def load_frozen(source):
+    """The model, loaded on the CPU in float32 (the teacher every head learns from)."""
+    from engine.loading import load
+
+    return load(source.name if source.origin.startswith("package") else str(source.folder), device="cpu",
+                dtype=torch.float32)
+
+
+# ----- chat
+class _ChatMaker:
+    def __init__(self, source, recipe: Recipe, progress):
+        self.source, self.recipe, self.progress = source, recipe, progress
+        self.loaded = None
+        self.engine = None
+
+    def _ready(self):
+        if self.loaded is None:
+            from engine.engine import Engine
+
+            self.loaded = load_frozen(self.source)
+            self.engine = Engine(backend="cpu", batch=16)
+
+    def close(self):
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    def __call__(self, prompts: list[str], n: int) -> SeqData:
+        from engine.chat.reference import ChatReference, build_messages
+        from engine.api import ChatRequest
+        from engine.sampling import SamplingParams
+
+        self._ready()
+        ref = ChatReference(self.loaded)
+        eos = min(ref.stop_ids)
+        ids = [ref.prompt_ids(build_messages(p)) for p in prompts]
+        params = SamplingParams(max_tokens=self.recipe.max_tokens)
+        t0 = time.perf_counter()
+        handles = [self.engine.submit(ChatRequest(model=self.source.name, prompt_ids=i, params=params)) for i in ids]
+        answers = []
+        for k, h in enumerate(handles):
+            r = h.result()
+            answers.append(list(r["tokens"]) + ([eos] if r["finish_reason"] == "stop" else []))
+            done = sum(len(a) for a in answers)
+            self.progress(f"chat shard {n + 1}: {k + 1}/{len(prompts)} answers, {done} tokens "
+                          f"({done / (time.perf_counter() - t0):.0f} tok/s)")
+        return _teacher_force_chat(self.loaded, ids, answers, [ref.tokenizer.decode(a, skip_special_tokens=True)
+                                                              for a in answers])
+
+
+@torch.inference_mode()
+def _teacher_force_chat(loaded, prompts: list[list[int]], answers: list[list[int]], texts: list[str]) -> SeqData:
+    """Hidden states at the positions that emitted each answer token (greedy answers: emitted = greedy)."""
+    model = loaded.model
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(answers[i]))
+    hidden: dict[int, torch.Tensor] = {}
+    for b in range(0, len(order), 8):
+        rows = order[b : b + 8]
+        seqs = [prompts[i] + answers[i][:-1] if answers[i] else prompts[i] for i in rows]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, s in enumerate(seqs):
+            ids[r, : len(s)] = torch.tensor(s)
+            mask[r, : len(s)] = 1
+        out = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        for r, i in enumerate(rows):
+            p = len(prompts[i])
+            hidden[i] = out[r, p - 1 : p - 1 + len(answers[i])].float().clone()
+    keep = [i for i in range(len(prompts)) if answers[i]]
+    tokens = torch.tensor([t for i in keep for t in answers[i]], dtype=torch.long)
+    return SeqData(torch.cat([hidden[i] for i in keep]), tokens, tokens.clone(),
+                   torch.tensor([len(answers[i]) for i in keep], dtype=torch.long), [texts[i] for i in keep])
+
+
+def chat_parts(source, recipe: Recipe, folder: Path, progress,
+               parts: tuple[str, ...] = ("first", "more", "val", "held")) -> dict[str, SeqData]:
+    """A chat model's answers to the given parts of the prompt set: first, more (training), val, held."""
+    from engine.mtp.prompts import HELD_OUT_PROMPTS, MORE_TRAIN_PROMPTS, TRAIN_PROMPTS, VALIDATION_PROMPTS
+
+    table = {"first": ("chat-train", TRAIN_PROMPTS, "chat training data"),
+             "more": ("chat-more", MORE_TRAIN_PROMPTS, "more chat training data"),
+             "val": ("chat-val", VALIDATION_PROMPTS, "chat validation data"),
+             "held": ("chat-heldout", HELD_OUT_PROMPTS, "chat held-out data")}
+    maker = _ChatMaker(source, recipe, progress)
+    try:
+        return {part: _shards(folder, table[part][0], table[part][1], 48, maker, progress, table[part][2])
+                for part in parts}
+    finally:
+        maker.close()
+
+
+def chat_data(source, recipe: Recipe, folder: Path, progress) -> tuple[SeqData, SeqData, SeqData]:
+    """(training, validation, held-out) answers of a chat model to the prompt set."""
+    from engine.mtp.prompts import TRAIN_PROMPTS, mentions_held_out
+
+    parts = chat_parts(source, recipe, folder, progress)
+    first = parts["first"]
+    if len(first.lengths) == len(TRAIN_PROMPTS):  # every prompt answered: leave out those naming held-out topics
+        first = first.select([i for i, p in enumerate(TRAIN_PROMPTS) if not mentions_held_out(p)])
+    return SeqData.concat([first, parts["more"]]), parts["val"], parts["held"]
+
+
+# ----- whisper
+def speech_pieces(text: str, rng: random.Random) -> list[str]:
+    """Plain sentences of an answer, grouped into pieces of 12 to about 80 words (code and markup left out)."""
+    text = re.sub(r"```.*?(```|$)", " ", text, flags=re.S)
+    lines = []
+    for line in text.splitlines():
+        if re.search(r"[{}=;<>\[\]_\\|]|def |return |\w\(|\)\s*$", line):
+            continue
+        line = re.sub(r"^\s*(#+|\*+|-|\d+[.)])\s*", "", line)
+        line = line.replace("**", "").replace("`", "").replace("*", "")
+        if line.strip():
+            lines.append(line.strip())
+    sentences = [s for s in re.split(r"(?<=[.!?:])\s+", " ".join(lines)) if s]
+    pieces, words = [], []
+    limit = rng.randint(40, 80)
+    for s in sentences:
+        w = s.split()
+        if words and len(words) + len(w) > limit:
+            pieces.append(words)
+            words, limit = [], rng.randint(40, 80)
+        words += w[:80]
+    if words:
+        pieces.append(words)
+    out = []
+    for p in pieces:
+        piece = " ".join(p)
+        if len(p) >= 12 and sum(c.isascii() for c in piece) > 0.98 * len(piece) and re.search(r"[a-zA-Z]{3}", piece):
+            out.append(piece)
+    return out
+
+
+SPLITS = {"train": 0, "heldout": 1, "val": 2}
+
+
+def speech_texts(split: str, seed: int, count: int, progress) -> list[str]:
+    """``count`` pieces of English text for speech of one split (train, val, heldout): the default chat
+    model's answers to that split's prompts (the first batch of training prompts for train) and the
+    split's paragraphs; the chat model's data is made first when missing."""
+    from engine.models import DEFAULT_CHAT
+    from engine.mtp.prompts import texts_for_speech
+
+    recipe, source = recipe_for(DEFAULT_CHAT)
+    progress(f"speech text: {DEFAULT_CHAT}'s answers to the {split} prompts", force=True)
+    part = {"train": "first", "val": "val", "heldout": "held"}[split]
+    answers = chat_parts(source, recipe, work_dir(source), progress, (part,))[part].texts
+    rng = random.Random(seed * 7919 + SPLITS[split])
+    pieces = []
+    for text in answers + (texts_for_speech(split == "heldout") if split != "val" else []):
+        pieces += speech_pieces(text, rng)
+    rng.shuffle(pieces)
+    return pieces[:count]
+
+
+def synthesize(text: str, out: Path, voice: str, rate: int) -> Path:
+    raw = out.with_suffix(".raw.wav")
+    try:
+        subprocess.run(["espeak-ng", "-w", str(raw), "-v", voice, "-s", str(rate), text], check=True,
+                       capture_output=True)
+        subprocess.run(["sox", str(raw), "-r", "16000", "-c", "1", str(out)], check=True, capture_output=True)
+    except FileNotFoundError as exc:
+        raise CadenceError(f"Training a Whisper draft head needs espeak-ng and sox installed ({exc.filename} "
+                           "was not found).") from None
+    finally:
+        raw.unlink(missing_ok=True)
+    return out
+
+
+class _WhisperMaker:
+    def __init__(self, loaded, seed: int, progress=quiet, language: str = "en"):
+        from engine.whisper.reference import WhisperReference
+
+        self.loaded = loaded
+        self.ref = WhisperReference(self.loaded)
+        self.seed, self.progress, self.language = seed, progress, language
+
+    def __call__(self, items: list[tuple[int, str]], n: int) -> SeqData:
+        from engine.audio import load_audio
+        from engine.whisper.pipeline import plan_transcription
+
+        windows, prompt, texts = [], None, []
+        with tempfile.TemporaryDirectory(prefix="cadence-mtp-") as tmp:
+            for k, (index, text) in enumerate(items):
+                rng = random.Random(self.seed * 1_000_003 + index)
+                voice, rate = rng.choice(VOICES), rng.randrange(120, 176, 5)
+                text = " ".join(text.split()[: int(rate * 0.45)])  # at most 27 s: one window
+                wav = synthesize(text, Path(tmp) / f"{k}.wav", voice, rate)
+                plan = plan_transcription(self.ref, load_audio(wav), self.language, "transcribe", wav.name,
+                                          windowing="fixed")
+                prompt = plan.prompt
+                windows.append(torch.from_numpy(plan.spans[0][2]))
+                texts.append(f"{voice} {rate}: {text}")
+                self.progress(f"speech shard {n + 1}: {k + 1}/{len(items)} clips spoken")
+        parts = []
+        for b in range(0, len(windows), 8):
+            parts.append(self._decode(torch.stack(windows[b : b + 8]), prompt))
+            self.progress(f"speech shard {n + 1}: {min(b + 8, len(windows))}/{len(windows)} clips transcribed, "
+                          f"{sum(int(p.lengths.sum()) for p in parts)} tokens")
+        data = SeqData.concat(parts)
+        data.texts = texts
+        return data
+
+    @torch.inference_mode()
+    def _decode(self, feats: torch.Tensor, prompt: list[int], max_new: int = 160) -> SeqData:
+        """Greedy transcription of B windows at once (the engine's rules), keeping each position's hidden state."""
+        model, ref = self.loaded.model, self.ref
+        B = feats.shape[0]
+        enc = model.model.encoder(input_features=feats).last_hidden_state
+        ids = torch.tensor([prompt] * B)
+        out = model.model.decoder(input_ids=ids, encoder_hidden_states=enc, use_cache=True)
+        cache, h = out.cache, out.last_hidden_state[:, -1]
+        hiddens, tokens = [], []
+        done = torch.zeros(B, dtype=torch.bool)
+        lengths = torch.zeros(B, dtype=torch.long)
+        for step in range(max_new):
+            logits = model.proj_out(h).float()
+            logits[:, ref.suppress] = -float("inf")
+            if step == 0:
+                logits[:, ref.begin_suppress] = -float("inf")
+            tok = logits.argmax(-1)
+            hiddens.append(h.float().clone())
+            tokens.append(tok)
+            lengths += (~done).long()
+            done |= tok == ref.tok.eot
+            if bool(done.all()):
+                break
+            out = model.model.decoder(input_ids=tok[:, None], encoder_hidden_states=enc, cache=cache, use_cache=True)
+            cache, h = out.cache, out.last_hidden_state[:, -1]
+        H, T = torch.stack(hiddens, 1), torch.stack(tokens, 1)  # [B, steps, d], [B, steps]
+        keep = [r for r in range(B) if lengths[r] > 1]
+        return SeqData(torch.cat([H[r, : lengths[r]] for r in keep]), torch.cat([T[r, : lengths[r]] for r in keep]),
+                       torch.cat([T[r, : lengths[r]] for r in keep]), lengths[keep].clone())
+
+
+def whisper_data(source, recipe: Recipe, folder: Path, seed: int, progress) -> tuple[SeqData, SeqData, SeqData]:
+    """(training, validation, held-out) speech of a Whisper model, transcribed by itself."""
+    maker = None
+    out = []
+    for split, count in (("train", recipe.train_clips), ("val", recipe.val_clips), ("heldout", recipe.heldout_clips)):
+        prefix = f"speech-{split}"
+        if all((folder / f"{prefix}-{n:03d}.safetensors").is_file() for n in range(math.ceil(count / 32))):
+            items = [(0, "")] * count  # every shard is there: no text needed
+        else:
+            items = [(i + (SPLITS[split] << 20), t) for i, t in enumerate(speech_texts(split, seed, count, progress))]
+
+        def make(chunk, n):
+            nonlocal maker
+            if maker is None:
+                maker = _WhisperMaker(load_frozen(source), seed, progress)
+            return maker(chunk, n)
+
+        out.append(_shards(folder, prefix, items, 32, make, progress, f"speech {split} data"))
+    return out[0], out[1], out[2]
+
+
+def chat_sample(loaded, prompts: list[str], max_tokens: int = 64) -> SeqData:
+    """A few greedy answers of a loaded chat model (single-stream reference decoder), with hidden states."""
+    from engine.chat.reference import ChatReference, build_messages
+    from engine.sampling import SamplingParams
+
+    ref = ChatReference(loaded)
+    ids, answers = [], []
+    for p in prompts:
+        ids.append(ref.prompt_ids(build_messages(p)))
+        r = ref.generate(ids[-1], SamplingParams(max_tokens=max_tokens))
+        answers.append(list(r.tokens) + ([min(ref.stop_ids)] if r.finish_reason == "stop" else []))
+    return _teacher_force_chat(loaded, ids, answers, [""] * len(prompts))
+
+
+def speech_sample(loaded, texts: list[str], seed: int = 0) -> SeqData:
+    """Speech of a few texts, transcribed greedily by a loaded Whisper model, with hidden states."""
+    return _WhisperMaker(loaded, seed)([(i, t) for i, t in enumerate(texts)], 0)
+
+
+def load_heldout(model: str, data_dir: str | Path | None = None, split: str = "heldout") -> SeqData | None:
+    """The held-out (or "val") data of a model made by an earlier ``train-mtp`` run (None when there is none)."""
+    recipe, source = recipe_for(model)
+    folder = work_dir(source, data_dir)
+    if recipe.kind == "chat":
+        prefix = {"heldout": "chat-heldout", "val": "chat-val"}[split]
+    else:
+        prefix = f"speech-{split}"
+    paths = sorted(folder.glob(f"{prefix}-*.safetensors"))
+    return SeqData.concat([SeqData.load(p) for p in paths]) if paths else None

@@ -1,0 +1,53 @@
+"""How an MTP head is trained: one recipe per model (the built-in models' are what shipped)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+
+DEPTH = 4  # chain steps trained jointly and measured
+
+
+@dataclass
+class Recipe:
+    """How one model's head is trained (defaults per family; the built-in models' are what shipped)."""
+
+    kind: str  # "chat" or "whisper"
+    steps: int = 1500
+    batch: int = 256
+    lr: float = 2e-3
+    weight_decay: float = 0.01
+    warmup: int = 60
+    ffn_mult: float = 2.0  # MLP width / hidden size
+    draft_vocab: int = 8192  # draft vocabulary size: the training targets, then the lowest ids
+    max_tokens: int = 200  # chat answers
+    train_clips: int = 640  # whisper
+    heldout_clips: int = 96
+    val_clips: int = 32
+    eval_every: int = 250
+    checkpoint_every: int = 100
+    dropout: float = 0.0  # on the MLP's inner activations, training only
+    noise: float = 0.0  # gaussian noise on the model's hidden state, relative to its RMS, training only
+    bf16: bool | None = None  # bfloat16 autocast for training matmuls; None: where the CPU supports it natively
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+RECIPES = {
+    "smollm2-135m-instruct": Recipe("chat", steps=2000, draft_vocab=6144, ffn_mult=1.0),
+    "whisper-tiny.en": Recipe("whisper", steps=1500, draft_vocab=4096, ffn_mult=2.0, train_clips=576, heldout_clips=64),
+    "whisper-base": Recipe("whisper", steps=1500, draft_vocab=4096, ffn_mult=1.5, train_clips=256, heldout_clips=64),
+}
+
+
+def recipe_for(model: str) -> tuple[Recipe, object]:
+    """The recipe and resolved source of a model; ModelError (one sentence) for a model that is unknown."""
+    from engine.models import CHAT, resolve
+
+    source = resolve(model)
+    recipe = RECIPES.get(source.name) or Recipe("chat" if source.family == CHAT else "whisper")
+    return Recipe(**recipe.to_json()), source
+
+
