@@ -61,6 +61,8 @@ def make_engine(choice: EngineChoice) -> Engine:
         kwargs["drafter"] = choice.drafter
     if choice.draft_depth and "draft_depth" in accepted:
         kwargs["draft_depth"] = choice.draft_depth
+    if "precision" in accepted:
+        kwargs["precision"] = choice.precision
     return Engine(**kwargs)
 
 
@@ -148,10 +150,10 @@ class EngineBridge(QObject):
         try:
             engine = make_engine(choice)
             self.engine_note = ""
-        except CadenceError as exc:  # e.g. the chosen backend is not on this machine
+        except CadenceError as exc:  # e.g. the chosen backend or precision is not on this machine
             self.engine_note = f"{exc} Cadence uses the automatic choice instead."
             self.problem.emit(self.engine_note)
-            choice.backend = "auto"
+            choice.backend, choice.precision = "auto", "auto"
             engine = make_engine(choice)
         return engine
 

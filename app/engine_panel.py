@@ -69,6 +69,8 @@ class EnginePanel(QWidget):
         self.lane_box.currentTextChanged.connect(self._choose_lane)
         self.lane_info = QLabel()
         self.lane_info.setWordWrap(True)
+        self.precision_info = QLabel()  # which precision the lane runs in, and why
+        self.precision_info.setWordWrap(True)
 
         self.slot_plot = pg.PlotWidget(title="Tokens per second, per slot")
         self.slot_bars = pg.BarGraphItem(x=[], height=[], width=0.7, brush="#3b7dd8")
@@ -143,6 +145,7 @@ class EnginePanel(QWidget):
         layout = QVBoxLayout(self)
         layout.addWidget(self.summary)
         layout.addLayout(top)
+        layout.addWidget(self.precision_info)
         layout.addLayout(grid, 1)
 
     # ------------------------------------------------------------------ data in
@@ -228,7 +231,11 @@ class EnginePanel(QWidget):
                         + (f", acceptance {float(rate):.0%}" if rate is not None else ""))
         else:
             info.append("drafting: not reported by this engine")
+        if lane.get("precision"):
+            info.append(f"precision {lane['precision']} ({lane.get('precision_from', '?')})")
         self.lane_info.setText(" · ".join(info))
+        why = lane.get("precision_why")
+        self.precision_info.setText(f"Precision: {why}" if why else "Precision: not reported by this engine")
 
         xs = np.arange(len(slots))
         heights = [round(self.slot_tok_s.get((name, i), 0.0), 1) for i in xs]

@@ -13,11 +13,13 @@ from pathlib import Path
 from PySide6.QtCore import QSettings
 
 from engine.formats import FORMATS
+from engine.kernels import PRECISIONS
 from engine.models import DEFAULT_CHAT, DEFAULT_WHISPER
 from engine.whisper.pipeline import WINDOWINGS
 
 BACKENDS = ("auto", "cpu", "cuda", "mps")
 DRAFTERS = ("auto", "mtp", "ngram", "draft", "off")  # "draft" is sent as "draft:MODEL"
+PRECISION_CHOICES = ("auto", *PRECISIONS)
 DEFAULT_FORMATS = ("txt",)
 
 
@@ -29,6 +31,7 @@ class EngineChoice:
     batch: str | int  # "auto", "off" or a width
     drafter: str  # auto | mtp | ngram | draft:MODEL | off
     draft_depth: int  # 0: the engine chooses
+    precision: str = "auto"  # auto | float32 | bfloat16 | int8
 
 
 class Settings:
@@ -107,12 +110,21 @@ class Settings:
     def draft_depth(self, value: int) -> None:
         self._set("engine/draft_depth", int(value))
 
+    @property
+    def precision(self) -> str:
+        value = str(self._get("engine/precision", "auto"))
+        return value if value in PRECISION_CHOICES else "auto"
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        self._set("engine/precision", value)
+
     def engine_choice(self) -> EngineChoice:
         batch: str | int = "off" if not self.batching else (self.max_width or "auto")
         drafter = self.drafter
         if drafter == "draft":
             drafter = f"draft:{self.draft_model}" if self.draft_model else "auto"
-        return EngineChoice(self.backend, batch, drafter, self.draft_depth)
+        return EngineChoice(self.backend, batch, drafter, self.draft_depth, self.precision)
 
     # ------------------------------------------------------------------ models
     @property

@@ -27,16 +27,19 @@ from PySide6.QtWidgets import (
 )
 
 from engine.backend import available_backends, describe_backend, resolve_backend
+from engine.kernels import precisions_on
 from engine import Engine
 from engine.formats import FORMATS
 from engine.models import CHAT, WHISPER, list_models
 from engine.paths import cache_dir, data_dir
 
 from app.bridge import EngineBridge
-from app.settings import BACKENDS, DRAFTERS
+from app.settings import PRECISION_CHOICES, BACKENDS, DRAFTERS
 
 WINDOWING_CHOICES = (("By voice activity (in pauses)", "vad"), ("Every 30 seconds", "fixed"))
 DRAFTER_LABELS = {"auto": "Automatic", "mtp": "MTP head", "ngram": "n-gram", "draft": "Draft model", "off": "Off"}
+PRECISION_LABELS = {"auto": "Automatic (measured per model)", "float32": "float32 (reference)",
+                    "bfloat16": "bfloat16", "int8": "int8 weights"}
 
 
 def engine_drafts() -> bool:
@@ -80,6 +83,17 @@ class SettingsPanel(QWidget):
         self.draft_note = QLabel("" if engine_drafts() else
                                  "This version of the engine does not draft yet; the choice is kept for when it does.")
         self.draft_note.setWordWrap(True)
+        self.precision = QComboBox()
+        offered = precisions_on(resolve_backend(s.backend if s.backend in present else "auto"))
+        for name in PRECISION_CHOICES:
+            self.precision.addItem(PRECISION_LABELS[name], name)
+            if name != "auto" and name not in offered:
+                index = self.precision.count() - 1
+                self.precision.model().item(index).setEnabled(False)
+                self.precision.setItemData(index, f"{name} is not offered on this machine", Qt.ToolTipRole)
+        self.precision.setCurrentIndex(max(0, self.precision.findData(s.precision)))
+        self.precision_note = QLabel()
+        self.precision_note.setWordWrap(True)
         engine_box = QGroupBox("Engine")
         ef = QFormLayout(engine_box)
         ef.addRow("Backend", self.backend)
@@ -91,6 +105,8 @@ class SettingsPanel(QWidget):
         ef.addRow("Draft model", self.draft_model)
         ef.addRow("Draft depth", self.draft_depth)
         ef.addRow("", self.draft_note)
+        ef.addRow("Precision", self.precision)
+        ef.addRow("", self.precision_note)
         self._drafter_changed()
 
         # models and outputs ---------------------------------------------------
@@ -181,6 +197,12 @@ class SettingsPanel(QWidget):
         text = "; ".join(parts) or "auto measures the best width for each model on first use"
         if self.width_note.text() != text:
             self.width_note.setText(text)
+        chosen = "; ".join(f"{model}: {lane['precision_why']}" for model, lane in (status.get("lanes") or {}).items()
+                           if lane.get("precision_why"))
+        chosen = chosen or "auto measures each precision on each model's first use and keeps the fastest within " \
+                           "quality bounds"
+        if self.precision_note.text() != chosen:
+            self.precision_note.setText(chosen)
 
     def apply(self) -> str:
         s = self.bridge.settings
@@ -191,6 +213,7 @@ class SettingsPanel(QWidget):
         s.drafter = self.drafter.currentData()
         s.draft_model = self.draft_model.text().strip()
         s.draft_depth = self.draft_depth.value()
+        s.precision = self.precision.currentData()
         s.transcription_model = self.transcription_model.currentText().strip()
         s.chat_model = self.chat_model.currentText().strip()
         s.language = self.language.text().strip()

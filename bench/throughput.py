@@ -147,7 +147,7 @@ def encoder_table(device):
     for name in ("whisper-tiny.en", "whisper-base"):
         decoder = WhisperBatched(load(name, device=device))
         fw = faster_whisper_model(name, work / name, torch.get_num_threads())
-        features = np.random.default_rng(0).standard_normal((1, decoder.conv1.in_channels, 3000)).astype(np.float32)
+        features = np.random.default_rng(0).standard_normal((1, decoder.conv1[0].shape[1], 3000)).astype(np.float32)
         window = torch.from_numpy(features).to(device)
         stored = ctranslate2.StorageView.from_array(features)
 

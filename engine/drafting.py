@@ -272,7 +272,7 @@ def build_drafter(choice: str, model: str, loaded, decoder, device, width: int, 
     if not same_tokenizer(draft.tokenizer, loaded.tokenizer):
         raise CadenceError(f"The draft model {name} uses a different tokenizer from {model}; "
                            f"pick a smaller model of the same family.")
-    draft_decoder = LlamaBatched(draft)
+    draft_decoder = LlamaBatched(draft, precision=decoder.precision)
     draft_decoder.allocate(width, decoder.max_len)
     return DraftModelDrafter(name, draft_decoder), "on"
 

@@ -54,15 +54,26 @@ class Engine:
     path: one slot) or a width N. None reads CADENCE_BATCH, else 'auto'."""
 
     def __init__(self, backend: str = "auto", batch: str | int | None = None, step_log: str | Path | None = None,
-                 drafter: str | None = None, draft_depth: int | None = None, draft_min_p: float = 0.0):
+                 drafter: str | None = None, draft_depth: int | None = None, draft_min_p: float = 0.0,
+                 precision: str | None = None):
         """``drafter``: 'auto' (the model's MTP head when one is shipped, else n-gram), 'mtp',
         'ngram', 'draft:MODEL' or 'off'; None reads CADENCE_DRAFTER, else 'auto'. ``draft_depth``
         fixes the drafts per slot and step (else chosen per slot, per step); ``draft_min_p`` skips
-        MTP drafts the head gives less than that probability."""
+        MTP drafts the head gives less than that probability. ``precision``: 'auto' (measured per
+        model and machine, see engine.precision), 'float32', 'bfloat16' or 'int8'; None reads
+        CADENCE_PRECISION, else 'auto'. A precision this machine lacks is refused here."""
         from engine.backend import resolve_backend
         from engine.drafting import DRAFTER_ENV, MAX_DEPTH, parse_drafter
+        from engine.kernels import check_precision
+        from engine.precision import PRECISION_ENV, parse_precision
 
         self.device = resolve_backend(backend)
+        chosen = precision if precision is not None else os.environ.get(PRECISION_ENV) or "auto"
+        self.precision = parse_precision(chosen)
+        self.precision_source = "argument" if precision is not None else (
+            PRECISION_ENV if os.environ.get(PRECISION_ENV) else "default")
+        if self.precision != "auto":
+            check_precision(self.precision, self.device)
         if batch is None:
             self.batch, self.batch_source = parse_batch(os.environ.get(BATCH_ENV, "auto")), \
                 (BATCH_ENV if os.environ.get(BATCH_ENV) else "default")
@@ -80,6 +91,7 @@ class Engine:
         self._references: dict[str, object] = {}  # model -> its reference decoder (template, token rules)
         self._lanes: dict[str, object] = {}
         self._calibrations: dict[str, object] = {}
+        self._precisions: dict[str, tuple[str, object]] = {}  # model -> (precision, auto's PrecisionChoice or None)
         self._work: dict[int, list] = {}  # handle id -> its sequences
         # Audio files are read and planned on a thread of their own, so no slot waits for a file to decode.
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadence-audio")
@@ -141,19 +153,28 @@ class Engine:
             loaded = load(model, family=family, device=self.device)
             if loaded.family == CHAT:
                 from engine.chat.reference import ChatReference
-                from engine.families.llama import LlamaBatched
+                from engine.families.llama import LlamaBatched as Decoder
 
-                decoder, reference = LlamaBatched(loaded), ChatReference(loaded)
+                reference = ChatReference(loaded)
             else:
-                from engine.families.whisper import WhisperBatched
+                from engine.families.whisper import WhisperBatched as Decoder
                 from engine.whisper.reference import WhisperReference
 
-                decoder, reference = WhisperBatched(loaded), WhisperReference(loaded)
+                reference = WhisperReference(loaded)
+            key = source_key(loaded.source)
+            precision, choice = self.precision, None
+            if precision == "auto":
+                from engine.precision import choose_precision
+
+                choice = choose_precision(loaded, reference, lambda p: Decoder(loaded, precision=p), key)
+                precision = choice.chosen
+            self._precisions[model] = (precision, choice)
+            decoder = Decoder(loaded, precision=precision)
             from engine.calibration import calibrate
 
             calibration = None
             if self.batch == "auto" or self.drafter != "off":  # drafting needs the step-time curve too
-                calibration = calibrate(decoder, loaded.source.name, source_key(loaded.source))
+                calibration = calibrate(decoder, loaded.source.name, f"{key}-{precision}")
             if calibration is not None:
                 self._calibrations[model] = calibration  # the curve and its choice, shown even when not used
             if self.batch == "auto":
@@ -196,6 +217,7 @@ class Engine:
                 "width": lane.width,
                 "width_from": "calibration" if self.batch == "auto" else ("batch off" if self.batch == "off"
                                                                           else self.batch_source),
+                **self._precision_status(model),
                 "calibration": calibration.to_json() if calibration else None,
                 "cache_bytes": lane.decoder.cache_bytes,
                 "counters": lane.counters.to_json(),
@@ -211,7 +233,16 @@ class Engine:
                              **lane.draft_counts.to_json()},
             }
         return {"backend": self.device, "backend_name": describe_backend(self.device), "batch": self.batch,
-                "batch_from": self.batch_source, "drafter": self.drafter, "lanes": lanes}
+                "batch_from": self.batch_source, "drafter": self.drafter, "precision": self.precision,
+                "lanes": lanes}
+
+    def _precision_status(self, model: str) -> dict:
+        precision, choice = self._precisions.get(model, (self.precision, None))
+        return {"precision": precision,
+                "precision_from": "auto" if choice is not None else self.precision_source,
+                "precision_why": choice.why if choice is not None else
+                f"{precision}, as {'asked' if self.precision_source == 'argument' else self.precision_source}",
+                "precision_choice": choice.to_json() if choice is not None else None}
 
     def reference(self, model: str):
         """The model's reference decoder, whose prompt and token rules requests reuse."""

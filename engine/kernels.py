@@ -1,11 +1,23 @@
-"""The few kernels a lean decode step needs, chosen per backend.
+"""The few kernels a lean decode step needs, chosen per backend and precision.
 
 Decoding multiplies every weight matrix by a handful of rows (1 per busy slot, more while
-prefilling or verifying drafts). PyTorch's default CPU path for that (MKL sgemm through
-``F.linear``) is slow for small row counts on some CPUs: 2 rows cost twice 1 row. oneDNN with the
-weight reordered once into its blocked layout serves 1 to 8 rows in about the time of one, and
-gives each row the same result whatever the other rows are, so batched decoding stays equal to
-serial decoding. On other backends (CUDA, MPS) or dtypes, ``F.linear`` is already the right call.
+prefilling or verifying drafts), so a step's time is mostly reading the weights. Three precisions:
+
+- ``float32``: the reference. On CPU the weight is reordered once into oneDNN's blocked layout,
+  which serves 1 to 8 rows in about the time of one (MKL's default ``F.linear`` path is slow for
+  small row counts on some CPUs: 2 rows cost twice 1 row).
+- ``bfloat16``: weights and activations in bfloat16 (half the bytes to read; AMX or AVX512-BF16
+  matrix units where the CPU has them), the same oneDNN packed layout. Offered only where the
+  processor has bfloat16 instructions (or a GPU supports it).
+- ``int8``: weight-only, per output channel, symmetric (``w = q * scale``), activations in
+  bfloat16 where the CPU has bfloat16 instructions (else float32): a quarter of float32's bytes.
+  ``torch.ops.aten._weight_int8pack_mm`` computes it without making a dequantized copy.
+
+Every kernel here gives a row the same result whatever other rows share the call: where a kernel
+would not (it changes its summation order with the row count on some CPUs), its calls are padded or
+cut into chunks so it does, by a rule measured once on this machine (:func:`row_rule`). So batched
+decoding stays equal to serial decoding within a precision (the tests check it per precision).
+On other backends (CUDA, MPS) ``F.linear`` in the chosen dtype is already the right call.
 """
 
 from __future__ import annotations
@@ -13,43 +25,202 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.errors import RequestError
+
 PACK_ROWS = 64  # the row count oneDNN tunes the packed layout for; results do not depend on it
+PRECISIONS = ("float32", "bfloat16", "int8")
+
+
+# ---------------------------------------------------------------------------- what the machine has
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bfloat16 instructions (AVX512-BF16, or AMX), so bfloat16 is fast."""
+    cpu = getattr(torch, "cpu", None)
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        check = getattr(cpu, probe, None)
+        try:
+            if check is not None and check():
+                return True
+        except RuntimeError:  # pragma: no cover - a build without the probe's support
+            pass
+    return False
+
+
+def precisions_on(device: str | torch.device) -> list[str]:
+    """The precisions offered on a device, float32 first."""
+    device = torch.device(device)
+    offered = ["float32"]
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            offered.append("bfloat16")
+        offered.append("int8")
+    elif device.type == "cpu":
+        if cpu_has_bf16():
+            offered.append("bfloat16")
+        offered.append("int8")
+    return offered
+
+
+def check_precision(precision: str, device: str | torch.device) -> str:
+    """The precision, if this device offers it; else one sentence saying what it does offer."""
+    if precision not in PRECISIONS:
+        raise RequestError(f"Unknown precision '{precision}' (use auto, {', '.join(PRECISIONS)}).")
+    offered = precisions_on(device)
+    if precision not in offered:
+        what = "this processor has no bfloat16 instructions" if torch.device(device).type == "cpu" \
+            else f"the {torch.device(device).type} backend does not support it"
+        raise RequestError(f"{precision} is not offered here: {what} (use {' or '.join(offered)}).")
+    return precision
+
+
+def activation_dtype(precision: str, device: str | torch.device) -> torch.dtype:
+    """The dtype a model's activations (and caches) are kept in for a precision."""
+    if precision == "float32":
+        return torch.float32
+    if precision == "int8" and torch.device(device).type == "cpu" and not cpu_has_bf16():
+        return torch.float32  # no bfloat16 instructions: int8 weights with float32 activations
+    return torch.bfloat16
+
+
+def precision_of(dtype: torch.dtype) -> str:
+    """The unquantized precision whose weights and activations are in ``dtype``."""
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+
+
+def attention_dtype(precision: str, device: str | torch.device) -> torch.dtype:
+    """The dtype of the KV cache and the attention over it. On CPU, float32 for every precision:
+    bfloat16 attention's kernels sum in another order as the batch's longest history changes, which
+    would let batching change the tokens (measured), and the float32 kernels cost about the same."""
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    return activation_dtype(precision, device)
+
+
+# ---------------------------------------------------------------------------- int8 weights
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per output channel, symmetric: (q [out, in] int8, scale [out] float32) with weight ~ q * scale."""
+    weight = weight.detach().float()
+    scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
+
+
+def _int8_kernel_works(q: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether this backend runs the int8 weight-only kernel (else the weight is dequantized once)."""
+    try:
+        torch.ops.aten._weight_int8pack_mm(torch.zeros(1, q.shape[1], dtype=scale.dtype, device=q.device), q, scale)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 class Linear:
-    """``y = x @ weight.T + bias`` with the weight prepared once for the backend's best kernel."""
+    """``y = x @ weight.T + bias`` with the weight prepared once for the backend's best kernel in
+    ``precision``. ``x`` may come in any float dtype; ``y`` is in the precision's activation dtype.
+    ``quantized``: (q, scale) made earlier (the int8 cache), instead of quantizing ``weight``.
+    ``invariant``: keep each row's result independent of the rows beside it (decoder layers, whose
+    rows are many slots' tokens); False for layers always called with the same rows (the encoder's
+    1500 rows a window), which then run the kernel as it is."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        weight = weight.detach()
-        self.out_features, self.in_features = weight.shape
-        self.bias = bias.detach().contiguous() if bias is not None else None
-        self.packed = None
-        if _can_pack(weight):
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
-            except RuntimeError:  # an oneDNN build without this reorder: plain linear works everywhere
-                self.packed = None
-        self.weight = None if self.packed is not None else weight
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, precision: str = "float32",
+                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None, invariant: bool = True):
+        source = quantized[0] if quantized is not None else weight
+        self.out_features, self.in_features = source.shape
+        self.device = source.device
+        self.precision = precision
+        self.dtype = activation_dtype(precision, self.device)
+        self.bias = bias.detach().to(self.dtype).contiguous() if bias is not None else None
+        self.packed = self.weight = self.q = self.scale = None
+        self.rows_rule = (1, 1 << 30)
+        if precision == "int8":
+            q, scale = quantized if quantized is not None else quantize_int8(weight)
+            # Fresh copies: a tensor read from a file may sit at an address the kernel's aligned loads fault on.
+            self.q = q.to(self.device).contiguous().clone()
+            self.scale = scale.to(self.device, self.dtype).contiguous().clone()
+            if self.device.type != "cpu" and not _int8_kernel_works(self.q, self.scale):
+                self.weight = (self.q.to(self.dtype) * self.scale[:, None]).contiguous()  # dequantized once
+                self.q = None
+        else:
+            weight = weight.detach().to(self.dtype).contiguous()
+            if _can_pack(weight):
+                try:
+                    self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+                except RuntimeError:  # an oneDNN build without this reorder: plain linear works everywhere
+                    self.packed = None
+            if self.packed is None:
+                self.weight = weight
+        if invariant:
+            key = (precision, self.in_features, self.out_features, self.dtype, str(self.device),
+                   self.q is not None, self.packed is not None, self.bias is not None)
+            if key not in _ROW_RULES:
+                _ROW_RULES[key] = row_rule(self._raw, self.in_features, self.dtype, self.device)
+            self.rows_rule = _ROW_RULES[key]
 
-    @classmethod
-    def fused(cls, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> "Linear":
-        """One matrix for several projections of the same input (q/k/v, gate/up): one weight read."""
-        bias = None
-        if biases is not None and any(b is not None for b in biases):
-            bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
-        return cls(torch.cat(weights), bias)
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight this layer reads per call."""
+        if self.q is not None:
+            return self.q.numel() + self.scale.numel() * self.scale.element_size()
+        return self.out_features * self.in_features * torch.tensor([], dtype=self.dtype).element_size()
 
-    @classmethod
-    def of(cls, module: torch.nn.Linear) -> "Linear":
-        return cls(module.weight, module.bias)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def _raw(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel itself on [rows, in] (no padding or chunking)."""
+        if self.q is not None:
+            y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+            return y + self.bias if self.bias is not None else y
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        rows = x.reshape(-1, self.in_features)
+        pad, most = self.rows_rule
+        n = rows.shape[0]
+        if pad <= n <= most:
+            y = self._raw(rows)
+        else:
+            y = torch.cat([self._padded(chunk, pad) for chunk in rows.split(most)])
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _padded(self, rows: torch.Tensor, pad: int) -> torch.Tensor:
+        n = rows.shape[0]
+        if n >= pad:
+            return self._raw(rows)
+        return self._raw(torch.cat([rows, rows.new_zeros(pad - n, self.in_features)]))[:n]
+
+_ROW_RULES: dict[tuple, tuple[int, int]] = {}
+RULE_ROWS = (1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 33, 48, 64, 65, 96, 128)  # row counts the probe tries
+RULE_CANDIDATES = ((1, 1 << 30), (2, 1 << 30), (1, 64), (2, 64), (1, 32), (2, 32), (1, 16), (2, 16), (2, 8),
+                   (1, 1))  # cheapest first; one row per call always holds
+
+
+@torch.inference_mode()
+def row_rule(kernel, in_features: int, dtype: torch.dtype, device) -> tuple[int, int]:
+    """The cheapest (pad, most) under which ``kernel`` gives every row the same result whatever rows
+    share the call. Kernels pick their blocking by row count, and some (oneDNN's float32 path for one
+    row on some CPUs, its bfloat16 path past 32 rows on others) sum in another order there: the
+    difference is a rounding, but it would let batching change the tokens. Found by computing random
+    rows at many row counts and positions (the blocking depends on shapes, not values)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(max(RULE_ROWS) + 1, in_features, generator=generator).to(device, dtype)
+
+    def run(rows: torch.Tensor, pad: int, most: int) -> torch.Tensor:
+        out = []
+        for chunk in rows.split(most):
+            n = chunk.shape[0]
+            padded = chunk if n >= pad else torch.cat([chunk, chunk.new_zeros(pad - n, in_features)])
+            out.append(kernel(padded)[:n])
+        return torch.cat(out)
+
+    for pad, most in RULE_CANDIDATES:
+        alone = run(x, pad, 1) if pad > 1 else torch.cat([kernel(x[i : i + 1]) for i in range(x.shape[0])])
+        if all(torch.equal(run(x[start : start + m], pad, most), alone[start : start + m])
+               for m in RULE_ROWS for start in (0, 1)):
+            return pad, most
+    return 1, 1

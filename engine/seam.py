@@ -5,6 +5,13 @@ a chunk of the prompt while prefilling, 1 + drafts while verifying), at per-row 
 layers run on the R = sum(T_s) real rows at once, so one read of the weights serves every
 sequence; attention runs per sequence against that slot's KV cache with a per-row causal mask.
 A family (Llama, Whisper, ...) writes only its layers and calls :func:`attend` for attention.
+
+Attention gives a row the same result whatever shares its step: how many slots, how many rows
+each (a prompt chunk, drafts being checked) or the longest history among them. PyTorch's fused
+attention kernel changes its summation order with all three on some CPUs (measured: the same row
+differs in its last bits), which would let batching change the tokens; :func:`attention_way`
+measures which formulation keeps rows independent on this machine. Histories are padded to whole
+blocks of :data:`ATTENTION_BLOCK` positions, masked positions weighing exactly 0.
 """
 
 from __future__ import annotations
@@ -14,6 +21,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+ATTENTION_BLOCK = 64  # keys summed per partial product (whole blocks, whatever the history's length)
+
+
+def round_up(n: int, block: int = ATTENTION_BLOCK) -> int:
+    """``n`` rounded up to whole attention blocks."""
+    return -(-n // block) * block
 
 
 @dataclass
@@ -29,8 +44,8 @@ class StepBatch:
     first_slot: int | None  # the slots are first_slot, first_slot + 1, ... (a view, no gather)
     row_slots: torch.Tensor  # [R] slot of each real row
     row_positions: torch.Tensor  # [R] position of each real row
-    kv_len: int  # cache positions any row attends to
-    causal_mask: torch.Tensor  # [S, 1, T, kv_len] row may attend to position
+    kv_len: int  # cache positions any row attends to, rounded up to a whole attention block
+    blocked: torch.Tensor  # [S, 1, T, kv_len] True where a row may not attend (later positions)
 
     @classmethod
     def build(cls, slots: list[int], rows: list[list[int]], starts: list[int], device="cpu") -> "StepBatch":
@@ -44,14 +59,14 @@ class StepBatch:
         valid = torch.arange(width, device=device)[None, :] < lengths[:, None]
         slot_t = torch.tensor(slots, dtype=torch.long, device=device)
         contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-        kv_len = max(start + n for start, n in zip(starts, counts))
-        mask = torch.arange(kv_len, device=device)[None, None, :] <= positions[:, :, None]
+        kv_len = round_up(max(start + n for start, n in zip(starts, counts)))
+        blocked = torch.arange(kv_len, device=device)[None, None, :] > positions[:, :, None]
         flat = (lambda x: x.reshape(-1)) if uniform else (lambda x: x[valid])
         return cls(
             slots=slot_t, tokens=tokens, positions=positions, lengths=lengths, valid=valid, uniform=uniform,
             first_slot=slots[0] if contiguous else None,
             row_slots=flat(slot_t[:, None].expand(-1, width)), row_positions=flat(positions),
-            kv_len=kv_len, causal_mask=mask[:, None],
+            kv_len=kv_len, blocked=blocked[:, None],
         )
 
     def flat(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,7 +82,7 @@ class SlotKVCache:
     """Preallocated keys and values: [layers, slots, kv_heads, max_len, head_dim] each."""
 
     def __init__(self, layers, slots, kv_heads, max_len, head_dim, dtype, device):
-        shape = (layers, slots, kv_heads, max_len, head_dim)
+        shape = (layers, slots, kv_heads, round_up(max_len), head_dim)  # whole attention blocks
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
@@ -94,31 +109,108 @@ def _to_padded(rows: torch.Tensor, batch: StepBatch) -> torch.Tensor:
     return padded.transpose(1, 2)
 
 
+def _plain(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    """Attention as two matrix products and a softmax over the padded history (masked positions weigh 0)."""
+    S, H, T, D = q.shape
+    Hkv, L = keys.shape[1], keys.shape[2]
+    G = H // Hkv
+    scores = torch.matmul(q.reshape(S, Hkv, G * T, D), keys.transpose(-1, -2)).mul_(D ** -0.5)  # [S, Hkv, GT, L]
+    if blocked is not None:
+        scores.view(S, Hkv, G, T, L).masked_fill_(blocked[:, :, None], float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), values).view(S, H, T, D)
+
+
+def _blocked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    """As :func:`_plain`, but the products with the values summed block by block, each a fixed-size
+    matrix product (for a library whose summation order follows the history's length)."""
+    S, H, T, D = q.shape
+    Hkv, L = keys.shape[1], keys.shape[2]
+    G, blocks = H // Hkv, L // ATTENTION_BLOCK
+    scores = torch.matmul(q.reshape(S, Hkv, G * T, D), keys.transpose(-1, -2)).mul_(D ** -0.5)
+    if blocked is not None:
+        scores.view(S, Hkv, G, T, L).masked_fill_(blocked[:, :, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).view(S, Hkv, G * T, blocks, ATTENTION_BLOCK).transpose(2, 3)
+    parts = torch.matmul(weights, values.view(S, Hkv, blocks, ATTENTION_BLOCK, D))  # [S, Hkv, blocks, GT, D]
+    return parts.sum(dim=2).view(S, H, T, D)  # in order: a shorter history's extra blocks add exact zeros
+
+
+def _fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    """PyTorch's fused attention kernel."""
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=None if blocked is None else ~blocked,
+                                          enable_gqa=keys.shape[1] != q.shape[1])
+
+
+_WAYS = {"plain": _plain, "blocked": _blocked, "fused": _fused}
+_ATTENTION_WAY: dict[tuple, str] = {}  # (device type, dtype) -> the way this machine keeps rows independent
+
+
+@torch.inference_mode()
+def attention_way(device: torch.device, dtype: torch.dtype) -> str:
+    """The cheapest way to compute attention on this machine that gives a row the same result whatever
+    shares its step (how many slots, how many rows each, the longest history among them): measured
+    once per process on random data at several batch shapes, like the matrix products' row rule.
+    PyTorch's fused kernel changes its summation order with all three on some CPUs; it is kept only
+    where nothing else holds (and on GPUs, which are not checked here)."""
+    key = (device.type, dtype)
+    if key in _ATTENTION_WAY:
+        return _ATTENTION_WAY[key]
+    if device.type != "cpu":
+        _ATTENTION_WAY[key] = "fused"
+        return "fused"
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, D, T, S = 6, 2, 64, 5, 9
+    longest = 4 * ATTENTION_BLOCK
+    q = torch.randn(S, H, T, D, generator=g).to(dtype)
+    k, v = (torch.randn(S, Hkv, longest, D, generator=g).to(dtype) for _ in range(2))
+    ends = torch.randint(T, ATTENTION_BLOCK + T, (S,), generator=g)
+    blocked = ~(torch.arange(longest)[None, None, :] <= (ends[:, None] - T + torch.arange(T)[None, :])[:, :, None])[:, None]
+    chosen = "fused"
+    for way in ("plain", "blocked"):
+        fn = _WAYS[way]
+        alone = fn(q[:1, :, :1], k[:1, :, :ATTENTION_BLOCK * 2], v[:1, :, :ATTENTION_BLOCK * 2],
+                   blocked[:1, :, :1, :ATTENTION_BLOCK * 2])
+        if all(torch.equal(fn(q[:s, :, :t], k[:s, :, :n], v[:s, :, :n], blocked[:s, :, :t, :n])[:1, :, :1], alone)
+               for s in (1, 2, S) for t in (1, 2, T) for n in (ATTENTION_BLOCK * 2, longest)):
+            chosen = way
+            break
+    _ATTENTION_WAY[key] = chosen
+    return chosen
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q . keys / sqrt(D)) . values for every slot: q [S, H, T, D]; keys, values [S, Hkv, L, D]
+    (Hkv divides H: query head h reads key head h // (H / Hkv)); blocked [S, 1, T, L] True where a row
+    may not attend, or None (it may attend everywhere). Returns [S, H, T, D], computed the way
+    :func:`attention_way` found keeps each row's result independent of the rest of the batch."""
+    way = attention_way(q.device, q.dtype) if keys.shape[2] % ATTENTION_BLOCK == 0 else "fused"
+    return _WAYS[way](q, keys, values, blocked)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SlotKVCache, layer: int,
            batch: StepBatch) -> torch.Tensor:
     """Causal self-attention of the new rows over their slot's history.
 
-    q: [R, H, D]; k, v: [R, Hkv, D] for the new rows, written into the cache first.
-    Returns [R, H * D].
+    q: [R, H, D]; k, v: [R, Hkv, D] for the new rows, written into the cache first (all in the
+    cache's dtype from here on). Returns [R, H * D] in the cache's dtype.
     """
-    cache.k[layer, batch.row_slots, :, batch.row_positions] = k
-    cache.v[layer, batch.row_slots, :, batch.row_positions] = v
+    cache.k[layer, batch.row_slots, :, batch.row_positions] = k.to(cache.k.dtype)
+    cache.v[layer, batch.row_slots, :, batch.row_positions] = v.to(cache.v.dtype)
     keys = _slot_view(cache.k[layer], batch, batch.kv_len)
     values = _slot_view(cache.v[layer], batch, batch.kv_len)
-    out = F.scaled_dot_product_attention(
-        _to_padded(q, batch), keys, values, attn_mask=batch.causal_mask, enable_gqa=keys.shape[1] != q.shape[1]
-    )  # [S, H, T, D]
+    out = attention(_to_padded(q.to(keys.dtype), batch), keys, values, batch.blocked)  # [S, H, T, D]
     return batch.flat(out.transpose(1, 2)).flatten(1)
 
 
-def attend_fixed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+def attend_fixed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
+                 blocked: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the new rows over a per-slot fixed memory (Whisper's encoder output).
 
-    q: [R, H, D]; keys, values: [slots, H, M, D]. Returns [R, H * D].
+    q: [R, H, D]; keys, values: [slots, H, M, D]; blocked: [1, 1, 1, M] True for padding positions
+    past the memory's end (None: none). Returns [R, H * D].
     """
     k = _slot_view(keys, batch, keys.shape[2])
     v = _slot_view(values, batch, values.shape[2])
-    out = F.scaled_dot_product_attention(_to_padded(q, batch), k, v)
+    out = attention(_to_padded(q.to(k.dtype), batch), k, v, blocked)
     return batch.flat(out.transpose(1, 2)).flatten(1)
 
 

@@ -17,6 +17,9 @@ os.environ.setdefault("CADENCE_CACHE_DIR", str(_SESSION_ROOT / "cache"))
 os.environ.setdefault("CADENCE_DATA_DIR", str(_SESSION_ROOT / "data"))
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite's yardstick is float32: the exactness tests against transformers and faster-whisper run in it,
+# and so does every engine a test does not give a precision (tests/test_precision.py covers the others).
+os.environ.setdefault("CADENCE_PRECISION", "float32")
 
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -89,7 +92,7 @@ def engine4():
     """A running engine with 4 slots per lane, shared by the suite (models load once)."""
     from engine import Engine
 
-    eng = Engine(backend="cpu", batch=4)
+    eng = Engine(backend="cpu", batch=4, precision="float32")
     yield eng
     eng.shutdown()
 
@@ -99,7 +102,7 @@ def engine_off():
     """The exact single-stream path: batching off."""
     from engine import Engine
 
-    eng = Engine(backend="cpu", batch="off")
+    eng = Engine(backend="cpu", batch="off", precision="float32")
     yield eng
     eng.shutdown()
 

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from app.cli.common import INTERRUPT_SHUTDOWN_S, Session, check_model, drafting_flags, err, parse_batch
+from app.cli.common import INTERRUPT_SHUTDOWN_S, Session, check_model, engine_options, err, parse_batch
 from engine.errors import CadenceError
 
 def read_prompts(where: str) -> list[str]:
@@ -129,7 +129,7 @@ def cmd_chat(args) -> int:
     failed = 0
     streamed = False
     try:
-        with Session(args.backend, batch, drafting_flags(args)) as session:
+        with Session(args.backend, batch, engine_options(args)) as session:
             conversations = Conversations(session.engine, store.path)
             try:
                 err(f"Answering {len(prompts)} prompt{'s' if len(prompts) != 1 else ''} with {source.name} "

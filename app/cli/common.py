@@ -55,11 +55,11 @@ def check_model(name: str, family: str):
 class Session:
     """An engine for one command: handles are cancelled on Ctrl-C, and the engine always shuts down."""
 
-    def __init__(self, backend: str, batch: str | int | None, drafting: dict | None = None):
+    def __init__(self, backend: str, batch: str | int | None, options: dict | None = None):
         from engine import Engine
 
-        # batch None: the engine reads CADENCE_BATCH; drafter None: CADENCE_DRAFTER
-        self.engine = Engine(backend=backend, batch=batch, **(drafting or {}))
+        # batch None: the engine reads CADENCE_BATCH; drafter None: CADENCE_DRAFTER; precision None: CADENCE_PRECISION
+        self.engine = Engine(backend=backend, batch=batch, **(options or {}))
         self.handles: list = []
         self.created = time.perf_counter()
         self.first_started: float | None = None
@@ -69,7 +69,8 @@ class Session:
         lane = self.engine.status()["lanes"].get(model)
         if not lane:
             return ""
-        return f", batch width {lane['width']} ({lane['width_from']}), {drafting_note(lane['drafting'])}"
+        return (f", batch width {lane['width']} ({lane['width_from']}), {lane['precision']} "
+                f"({'auto' if lane['precision_from'] == 'auto' else 'as asked'}), {drafting_note(lane['drafting'])}")
 
     def submit(self, request):
         handle = self.engine.submit(request)
@@ -136,8 +137,13 @@ def add_engine_flags(p: argparse.ArgumentParser, backends) -> None:
                    help="draft N tokens per slot and step (default: chosen per slot, each step)")
     p.add_argument("--draft-min-p", type=float, default=0.0, metavar="P",
                    help="skip MTP drafts the head gives less than probability P (default 0)")
+    p.add_argument("--precision", default=None, metavar="auto|float32|bfloat16|int8",
+                   help="weights and arithmetic: auto (the fastest this machine runs within quality bounds, measured "
+                        "once per model), float32 (the reference), bfloat16 (where the processor has bfloat16 "
+                        "instructions) or int8 (weight-only) (default: $CADENCE_PRECISION, else auto)")
 
 
-def drafting_flags(args) -> dict:
-    """The engine's drafting arguments from the command line."""
-    return {"drafter": args.drafter, "draft_depth": args.draft_depth, "draft_min_p": args.draft_min_p}
+def engine_options(args) -> dict:
+    """The engine's drafting and precision arguments from the command line."""
+    return {"drafter": args.drafter, "draft_depth": args.draft_depth, "draft_min_p": args.draft_min_p,
+            "precision": args.precision}

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from app.cli.common import Session, check_model, drafting_flags, err, expand_inputs, parse_batch
+from app.cli.common import Session, check_model, engine_options, err, expand_inputs, parse_batch
 from engine.errors import CadenceError
 
 
@@ -73,7 +73,7 @@ def cmd_transcribe(args) -> int:
 
     show_progress = sys.stderr.isatty()
     entries, failed = [], 0
-    with Session(args.backend, batch, drafting_flags(args)) as session:
+    with Session(args.backend, batch, engine_options(args)) as session:
         handles = {}
         for job_id in ids:  # refuse what cannot be written before decoding anything
             job = jobs.get(job_id)

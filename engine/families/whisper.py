@@ -1,8 +1,10 @@
 """Whisper's decoder on the batched seam, with per-slot encoder memory for cross-attention.
 
 A lean forward pass like the Llama family's: weights fused (self-attention q/k/v) and prepared for
-the backend's kernels once, for the decoder and for the encoder (where oneDNN's packed matrix
-product is about twice the default on CPU even at 1500 rows).
+the backend's kernels once in the chosen precision, for the decoder and for the encoder (where
+oneDNN's packed matrix product is about twice the default on CPU even at 1500 rows, and bfloat16
+runs on the CPU's matrix units where it has them). Activations are kept in the precision's
+activation dtype; the KV cache, the encoder memory and attention in engine.kernels.attention_dtype.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import Linear
+from engine.kernels import Linear, activation_dtype, attention_dtype, precision_of
 from engine.loading import LoadedModel
-from engine.seam import BatchedDecoder, SlotKVCache, StepBatch, attend, attend_fixed
+from engine.seam import BatchedDecoder, SlotKVCache, StepBatch, round_up, attend, attend_fixed
+from engine.weights import WeightPrep
 
 
 @dataclass
@@ -42,73 +45,84 @@ class _EncoderLayer:
     fc2: Linear
 
 
-def _norm_of(module: torch.nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    return module.weight.detach(), module.bias.detach()
+def _norm_of(module: torch.nn.LayerNorm, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return module.weight.detach().to(dtype), module.bias.detach().to(dtype)
 
 
 class WhisperBatched(BatchedDecoder):
     family = "whisper"
 
-    def __init__(self, loaded: LoadedModel, width: int = 1):
+    def __init__(self, loaded: LoadedModel, width: int = 1, precision: str = "float32"):
         hf = loaded.model
         cfg = hf.config
         decoder = hf.model.decoder
         encoder = hf.model.encoder
-        self.conv1, self.conv2 = encoder.conv1, encoder.conv2
-        self.encoder_positions = encoder.embed_positions.weight.detach()
+        self.precision = precision
+        self.embed = decoder.embed_tokens.weight.detach()
+        dtype = self.dtype = activation_dtype(precision, self.embed.device)
+        prep = WeightPrep(loaded, precision)
+        self.weights_from_cache = prep.from_cache
+        # The encoder is compute-bound (1500 rows a window): int8 weights would only add dequantizing
+        # work there, so with int8 it runs in the int8 precision's activation dtype, unquantized.
+        encoder_prep = prep if precision != "int8" else WeightPrep(loaded, precision_of(dtype))
+        self.conv1 = (encoder.conv1.weight.detach().to(dtype), encoder.conv1.bias.detach().to(dtype))
+        self.conv2 = (encoder.conv2.weight.detach().to(dtype), encoder.conv2.bias.detach().to(dtype))
+        self.encoder_positions = encoder.embed_positions.weight.detach().to(dtype)
         self.encoder_heads = cfg.encoder_attention_heads
-        self.encoder_layers = [
-            _EncoderLayer(
-                attn_norm=_norm_of(layer.self_attn_layer_norm),
-                qkv=Linear.fused([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
-                                  layer.self_attn.v_proj.weight],
-                                 [layer.self_attn.q_proj.bias, layer.self_attn.k_proj.bias,
-                                  layer.self_attn.v_proj.bias]),
-                out=Linear.of(layer.self_attn.out_proj),
-                ffn_norm=_norm_of(layer.final_layer_norm),
-                fc1=Linear.of(layer.fc1),
-                fc2=Linear.of(layer.fc2),
-            )
-            for layer in encoder.layers
-        ]
-        self.encoder_norm = _norm_of(encoder.layer_norm)
+        self.encoder_layers = []
+        for i, layer in enumerate(encoder.layers):
+            sa = layer.self_attn
+            self.encoder_layers.append(_EncoderLayer(
+                attn_norm=_norm_of(layer.self_attn_layer_norm, dtype),
+                qkv=encoder_prep.fused(f"encoder.{i}.qkv", [sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight],
+                                       [sa.q_proj.bias, sa.k_proj.bias, sa.v_proj.bias], invariant=False),
+                out=encoder_prep.of(f"encoder.{i}.out", sa.out_proj, invariant=False),
+                ffn_norm=_norm_of(layer.final_layer_norm, dtype),
+                fc1=encoder_prep.of(f"encoder.{i}.fc1", layer.fc1, invariant=False),
+                fc2=encoder_prep.of(f"encoder.{i}.fc2", layer.fc2, invariant=False),
+            ))
+        self.encoder_norm = _norm_of(encoder.layer_norm, dtype)
         self.vocab_size = cfg.vocab_size
         self.d_model = cfg.d_model
         self.heads = cfg.decoder_attention_heads
         self.head_dim = cfg.d_model // self.heads
         self.max_len = cfg.max_target_positions
         self.eps = decoder.layer_norm.eps
-        self.embed = decoder.embed_tokens.weight.detach()
-        self.positions = decoder.embed_positions.weight.detach()
+        self.positions = decoder.embed_positions.weight.detach().to(dtype)
         self.layers = []
-        for layer in decoder.layers:
+        for i, layer in enumerate(decoder.layers):
             sa, ca = layer.self_attn, layer.encoder_attn
             self.layers.append(_Layer(
-                self_norm=_norm_of(layer.self_attn_layer_norm),
-                qkv=Linear.fused([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight],
-                                 [sa.q_proj.bias, sa.k_proj.bias, sa.v_proj.bias]),
-                self_out=Linear.of(sa.out_proj),
-                cross_norm=_norm_of(layer.encoder_attn_layer_norm),
-                cross_q=Linear.of(ca.q_proj),
-                cross_kv=Linear.fused([ca.k_proj.weight, ca.v_proj.weight], [ca.k_proj.bias, ca.v_proj.bias]),
-                cross_out=Linear.of(ca.out_proj),
-                ffn_norm=_norm_of(layer.final_layer_norm),
-                fc1=Linear.of(layer.fc1),
-                fc2=Linear.of(layer.fc2),
+                self_norm=_norm_of(layer.self_attn_layer_norm, dtype),
+                qkv=prep.fused(f"decoder.{i}.qkv", [sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight],
+                               [sa.q_proj.bias, sa.k_proj.bias, sa.v_proj.bias]),
+                self_out=prep.of(f"decoder.{i}.self_out", sa.out_proj),
+                cross_norm=_norm_of(layer.encoder_attn_layer_norm, dtype),
+                cross_q=prep.of(f"decoder.{i}.cross_q", ca.q_proj),
+                # the encoder memory of one window: always its 1500 rows
+                cross_kv=prep.fused(f"decoder.{i}.cross_kv", [ca.k_proj.weight, ca.v_proj.weight],
+                                    [ca.k_proj.bias, ca.v_proj.bias], invariant=False),
+                cross_out=prep.of(f"decoder.{i}.cross_out", ca.out_proj),
+                ffn_norm=_norm_of(layer.final_layer_norm, dtype),
+                fc1=prep.of(f"decoder.{i}.fc1", layer.fc1),
+                fc2=prep.of(f"decoder.{i}.fc2", layer.fc2),
             ))
-        self.final_norm = _norm_of(decoder.layer_norm)
-        self.proj_out = Linear(hf.proj_out.weight)
+        self.final_norm = _norm_of(decoder.layer_norm, dtype)
+        self.proj_out = prep.linear("proj_out", hf.proj_out.weight)
+        prep.save()
         self._output_weight = hf.proj_out.weight.detach()
         self.memory_len = cfg.max_source_positions
         self.allocate(width)
 
     def _allocate(self, width: int, max_len: int) -> None:
-        dtype, device, n = self.embed.dtype, self.embed.device, len(self.layers)
+        dtype, device, n = attention_dtype(self.precision, self.embed.device), self.embed.device, len(self.layers)
         self.cache = self.cross_k = self.cross_v = None  # release the old memory first
         self.cache = SlotKVCache(n, width, self.heads, max_len, self.head_dim, dtype, device)
-        memory = (n, width, self.heads, self.memory_len, self.head_dim)
+        padded = round_up(self.memory_len)  # whole attention blocks; the padding is never attended to
+        memory = (n, width, self.heads, padded, self.head_dim)
         self.cross_k = torch.zeros(memory, dtype=dtype, device=device)
         self.cross_v = torch.zeros(memory, dtype=dtype, device=device)
+        self.memory_blocked = (torch.arange(padded, device=device) >= self.memory_len)[None, None, None, :]
 
     @property
     def cache_bytes(self) -> int:
@@ -116,8 +130,8 @@ class WhisperBatched(BatchedDecoder):
 
     @property
     def slot_bytes(self) -> int:
-        per_position = 2 * len(self.layers) * self.heads * self.head_dim * self.embed.element_size()
-        return per_position * (self.max_len + self.memory_len)
+        per_position = 2 * len(self.layers) * self.heads * self.head_dim * self.cross_k.element_size()
+        return per_position * (round_up(self.max_len) + round_up(self.memory_len))
 
     def _norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return F.layer_norm(x, (self.d_model,), norm[0], norm[1], self.eps)
@@ -127,7 +141,8 @@ class WhisperBatched(BatchedDecoder):
         lane can interleave a joining window's encoding with the running slots' decode steps.
         Returns (as the generator's value) the [n, 1500, d] encoder states of [n, mels, 3000] windows."""
         with torch.inference_mode():
-            x = F.gelu(self.conv2(F.gelu(self.conv1(windows)))).transpose(1, 2)  # [n, M, d]
+            x = F.gelu(F.conv1d(windows.to(self.dtype), *self.conv1, padding=1))
+            x = F.gelu(F.conv1d(x, *self.conv2, stride=2, padding=1)).transpose(1, 2)  # [n, M, d]
             n, M, d = x.shape
             x = (x + self.encoder_positions[:M]).reshape(n * M, d)
         yield
@@ -157,21 +172,21 @@ class WhisperBatched(BatchedDecoder):
         M = encoded.shape[0]
         for i, layer in enumerate(self.layers):
             k, v = layer.cross_kv(encoded).view(M, 2, self.heads, self.head_dim).unbind(1)
-            self.cross_k[i, slot] = k.transpose(0, 1)
-            self.cross_v[i, slot] = v.transpose(0, 1)
+            self.cross_k[i, slot, :, :M] = k.transpose(0, 1)
+            self.cross_v[i, slot, :, :M] = v.transpose(0, 1)
 
     @torch.inference_mode()
     def output_embeddings(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.embed, self._output_weight
 
     def forward(self, batch: StepBatch, logit_rows: torch.Tensor | None = None, with_hidden: bool = False):
-        x = F.embedding(batch.flat(batch.tokens), self.embed) + self.positions[batch.row_positions]
+        x = F.embedding(batch.flat(batch.tokens), self.embed).to(self.dtype) + self.positions[batch.row_positions]
         R = x.shape[0]
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(self._norm(x, layer.self_norm)).view(R, 3, self.heads, self.head_dim).unbind(1)
             x = x + layer.self_out(attend(q, k, v, self.cache, i, batch))
             q = layer.cross_q(self._norm(x, layer.cross_norm)).view(R, self.heads, self.head_dim)
-            x = x + layer.cross_out(attend_fixed(q, self.cross_k[i], self.cross_v[i], batch))
+            x = x + layer.cross_out(attend_fixed(q, self.cross_k[i], self.cross_v[i], batch, self.memory_blocked))
             x = x + layer.fc2(F.gelu(layer.fc1(self._norm(x, layer.ffn_norm))))
         if logit_rows is not None:
             x = x[logit_rows]

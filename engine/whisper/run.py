@@ -78,7 +78,7 @@ class TranscriptionRun:
         """On joining a slot: encode the window into the slot's cross-attention memory, as a generator the
         lane advances a layer at a time, as it finds room (see Lane._prepare)."""
         decoder = self.lane.decoder
-        window = torch.from_numpy(self.features.pop(seq))[None].to(decoder.device, decoder.cross_k.dtype)
+        window = torch.from_numpy(self.features.pop(seq))[None].to(decoder.device, decoder.dtype)
         encoded = yield from decoder.encode_in_steps(window)
         decoder.set_memory(slot, encoded[0])
 

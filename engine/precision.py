@@ -1,0 +1,252 @@
+"""Choosing a model's precision on this machine: ``--precision auto``.
+
+Every precision this device offers (:func:`engine.kernels.precisions_on`) is measured on the model
+itself, once per model file, device and PyTorch version (cached like the width calibration):
+
+- quality against float32, on the model's own check set:
+  chat: top-1 agreement with float32's greedy tokens, teacher-forced over a fixed prompt set,
+  at least :data:`MIN_AGREEMENT`;
+  Whisper: the word error rate on the bundled speech (resources/speech/check.ogg, known text)
+  at most :data:`MAX_WER_RISE` points above float32's;
+- speed: chat, tokens/s at widths 1 and 8 (their geometric mean: one person's answer and a
+  batch count alike); Whisper, the time a 30-s window costs (its encoder pass plus about
+  :data:`TOKENS_PER_WINDOW` tokens at width 8).
+
+``auto`` picks the fastest precision within the quality bounds (float32 always qualifies), and
+says why in ``Engine.status()`` and the app's engine panel.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.errors import RequestError
+from engine.kernels import PRECISIONS, precisions_on
+from engine.paths import cache_dir
+from engine.seam import StepBatch
+
+PRECISION_ENV = "CADENCE_PRECISION"  # auto | float32 | bfloat16 | int8, when --precision is not given
+CHOICE_VERSION = 1
+MIN_AGREEMENT = 0.97  # chat: share of positions whose top-1 token equals float32's
+MAX_WER_RISE = 0.005  # Whisper: word error rate at most this much above float32's (0.5 points)
+CHECK_TOKENS = 48  # chat: greedy tokens per check prompt
+TOKENS_PER_WINDOW = 40  # Whisper: typical tokens decoded per 30-s window of speech
+RESOURCES = Path(__file__).resolve().parent.parent / "resources" / "speech"
+CHECK_PROMPTS = [
+    "Explain how a refrigerator keeps food cold.",
+    "Write a short poem about the sea at night.",
+    "What are three good habits for learning a new language?",
+    "Summarize the plot of a detective story in four sentences.",
+    "List five fruits and say one thing about each.",
+    "Why do leaves change colour in autumn?",
+    "Give me a recipe for a simple tomato soup.",
+    "Describe the water cycle to a ten-year-old.",
+    "What is the difference between weather and climate?",
+    "Write a polite email asking a colleague to review a report.",
+    "How does a bicycle stay upright when it moves?",
+    "Tell me a short story about a lost key.",
+]
+
+
+def parse_precision(value) -> str:
+    """'auto' or one of PRECISIONS; anything else gets a sentence."""
+    text = str(value).strip().lower()
+    if text == "auto" or text in PRECISIONS:
+        return text
+    raise RequestError(f"Precision must be auto, {', '.join(PRECISIONS)} (got '{value}').")
+
+
+@dataclass
+class PrecisionChoice:
+    """What ``auto`` measured for one model on one device, and what it chose."""
+
+    model: str
+    device: str
+    chosen: str = "float32"
+    why: str = ""
+    candidates: dict = field(default_factory=dict)  # precision -> quality, speed and whether it qualified
+    seconds: float = 0.0
+    from_cache: bool = False
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _cache_file(model_key: str, device: str) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{model_key}-{device}")
+    return cache_dir() / "precision" / f"v{CHOICE_VERSION}-torch{torch.__version__}-{safe}.json"
+
+
+# ---------------------------------------------------------------------------- chat
+def _greedy(decoder, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """Greedy continuations of every prompt at once (each in its own slot), ``new`` tokens each."""
+    slots = list(range(len(prompts)))
+    decoder.allocate(len(prompts), max(len(p) for p in prompts) + new + 1)
+    batch = StepBatch.build(slots, prompts, [0] * len(prompts), device=decoder.device)
+    outs = [[t] for t in decoder.forward(batch, batch.last_rows()).argmax(-1).tolist()]
+    for _ in range(new - 1):
+        batch = StepBatch.build(slots, [[o[-1]] for o in outs], [len(p) + len(o) - 1 for p, o in zip(prompts, outs)],
+                                device=decoder.device)
+        for o, t in zip(outs, decoder.forward(batch, batch.last_rows()).argmax(-1).tolist()):
+            o.append(t)
+    return outs
+
+
+def chat_agreement(candidate, prompts: list[list[int]], answers: list[list[int]]) -> float:
+    """Share of answer positions where ``candidate``'s top-1 token, given float32's answer so far
+    (teacher-forced), equals float32's."""
+    rows = [p + a[:-1] for p, a in zip(prompts, answers)]
+    candidate.allocate(len(rows), max(len(r) for r in rows) + 1)
+    batch = StepBatch.build(list(range(len(rows))), rows, [0] * len(rows), device=candidate.device)
+    wanted, offset = [], 0
+    for p, r in zip(prompts, rows):
+        wanted += range(offset + len(p) - 1, offset + len(r))
+        offset += len(r)
+    picks = candidate.forward(batch, torch.tensor(wanted, device=candidate.device)).argmax(-1).tolist()
+    expected = [t for a in answers for t in a]
+    return sum(p == e for p, e in zip(picks, expected)) / max(len(expected), 1)
+
+
+def chat_speed(decoder) -> dict:
+    from engine.calibration import time_step
+
+    ms = {w: round(time_step(decoder, w), 3) for w in (1, 8)}
+    tok_s = {w: round(w * 1000 / m, 1) for w, m in ms.items()}
+    return {"step_ms": ms, "tok_s": tok_s, "score": round(math.sqrt(tok_s[1] * tok_s[8]), 2)}
+
+
+# ---------------------------------------------------------------------------- Whisper
+def check_speech() -> tuple[object, str]:
+    """The bundled check speech (16 kHz samples) and its text."""
+    from engine.audio import load_audio
+
+    return load_audio(RESOURCES / "check.ogg"), (RESOURCES / "check.txt").read_text(encoding="utf-8").strip()
+
+
+def whisper_transcript(decoder, reference, samples) -> str:
+    """Greedy text of ``samples`` in the default path's voice-activity windows, every window a slot of
+    ``decoder``, with the reference decoder's prompt (English, no timestamps) and token suppression."""
+    from engine.whisper.features import log_mel
+    from engine.whisper.pipeline import plan_windows
+
+    tok = reference.tok
+    feats = log_mel(samples, reference.model.config.num_mel_bins)
+    spans = [w for _, _, w in plan_windows(feats, samples, "vad")]
+    prompt = tok.sot_sequence("en" if tok.multilingual else None) + [tok.no_timestamps]
+    decoder.allocate(len(spans), decoder.max_len)
+    for slot, window in enumerate(spans):
+        encoded = decoder.encode(torch.from_numpy(window)[None].to(decoder.device, decoder.dtype))
+        decoder.set_memory(slot, encoded[0])
+    slots = list(range(len(spans)))
+    texts: list[list[int]] = [[] for _ in spans]
+    live = set(slots)
+    rows, starts = [list(prompt)] * len(spans), [0] * len(spans)
+    while live and len(prompt) + max(len(t) for t in texts) < decoder.max_len - 1:
+        order = sorted(live)
+        batch = StepBatch.build(order, [rows[s] for s in order], [starts[s] for s in order], device=decoder.device)
+        logits = decoder.forward(batch, batch.last_rows()).float()
+        logits[:, reference.suppress] = -float("inf")
+        for i, s in enumerate(order):
+            if not texts[s]:
+                logits[i, reference.begin_suppress] = -float("inf")
+            token = int(logits[i].argmax())
+            starts[s] += len(rows[s])
+            if token == tok.eot:
+                live.discard(s)
+                continue
+            texts[s].append(token)
+            rows[s] = [token]
+    return " ".join(tok.decode(t).strip() for t in texts)
+
+
+def whisper_speed(decoder, mel_bins: int) -> dict:
+    from engine.calibration import time_step
+
+    window = torch.zeros(1, mel_bins, 3000, dtype=decoder.dtype, device=decoder.device)
+    decoder.encode(window)  # warm
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        decoder.encode(window)
+        times.append((time.perf_counter() - t0) * 1000)
+    encode_ms = min(times)
+    step_ms = time_step(decoder, 8)
+    window_ms = encode_ms + TOKENS_PER_WINDOW * step_ms / 8
+    return {"encode_ms": round(encode_ms, 2), "step_ms_8": round(step_ms, 3), "window_ms": round(window_ms, 2),
+            "score": round(1000 / window_ms, 3)}
+
+
+# ---------------------------------------------------------------------------- the choice
+def choose_precision(loaded, reference, build, model_key: str, use_cache: bool = True) -> PrecisionChoice:
+    """Measure each precision this device offers on ``loaded`` (``build(precision)`` makes its batched
+    decoder; ``reference``: the model's reference decoder, for prompts and rules) and pick the fastest
+    within the quality bounds. Cached per model file, device and PyTorch version."""
+    from engine.calibration import device_identity
+    from engine.wer import wer as word_error_rate
+
+    device = loaded.model.device if hasattr(loaded.model, "device") else torch.device("cpu")
+    identity = device_identity(device)
+    path = _cache_file(model_key, identity)
+    if use_cache and path.is_file():
+        try:
+            return PrecisionChoice(**{**json.loads(path.read_text()), "from_cache": True})
+        except (ValueError, TypeError):
+            pass  # a damaged cache file is measured again
+    t0 = time.perf_counter()
+    choice = PrecisionChoice(model=loaded.source.name, device=identity)
+    chat = loaded.family == "chat"
+    with torch.inference_mode():
+        base = build("float32")
+        if chat:
+            from engine.chat.reference import build_messages
+
+            prompts = [reference.prompt_ids(build_messages(p)) for p in CHECK_PROMPTS]
+            answers = _greedy(base, prompts, CHECK_TOKENS)
+        else:
+            samples, text = check_speech()
+            base_wer = word_error_rate(text, whisper_transcript(base, reference, samples))
+        for precision in precisions_on(device):
+            decoder = base if precision == "float32" else build(precision)
+            if chat:
+                quality = 1.0 if precision == "float32" else chat_agreement(decoder, prompts, answers)
+                entry = {"agreement": round(quality, 4), "qualifies": quality >= MIN_AGREEMENT,
+                         **chat_speed(decoder)}
+            else:
+                wer = base_wer if precision == "float32" else word_error_rate(
+                    text, whisper_transcript(decoder, reference, samples))
+                entry = {"wer": round(wer, 4), "qualifies": wer <= base_wer + MAX_WER_RISE,
+                         **whisper_speed(decoder, loaded.model.config.num_mel_bins)}
+            choice.candidates[precision] = entry
+            del decoder
+    qualified = {p: e for p, e in choice.candidates.items() if e["qualifies"]}
+    choice.chosen = max(qualified, key=lambda p: qualified[p]["score"])
+    choice.why = _why(choice, chat)
+    choice.seconds = round(time.perf_counter() - t0, 2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(choice.to_json(), indent=1))
+    tmp.replace(path)
+    return choice
+
+
+def _why(choice: PrecisionChoice, chat: bool) -> str:
+    """One sentence: what was chosen, how much faster, and what was left out for quality."""
+    best = choice.candidates[choice.chosen]
+    base = choice.candidates["float32"]
+    speed = (f"{best['tok_s'][1]:.0f} tok/s alone, {best['tok_s'][8]:.0f} at width 8" if chat
+             else f"{best['window_ms']:.0f} ms a 30-s window")
+    parts = [f"{choice.chosen}: the fastest within quality bounds ({speed}"
+             + (f", {best['score'] / base['score']:.2f}x float32)" if choice.chosen != "float32" else ")")]
+    for precision, entry in choice.candidates.items():
+        if not entry["qualifies"]:
+            measure = (f"top-1 agreement {entry['agreement']:.1%} < {MIN_AGREEMENT:.0%}" if chat
+                       else f"word error rate {entry['wer']:.1%} vs {base['wer']:.1%}")
+            parts.append(f"{precision} left out ({measure})")
+    return "; ".join(parts) + "."
+

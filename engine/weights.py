@@ -1,0 +1,90 @@
+"""A model's weight matrices in the chosen precision, the way a family's decoder asks for them.
+
+int8 weights are made once per model file (per-channel symmetric quantization) and kept as one
+safetensors file in the user cache directory (``quantized/<model key>-int8-v1.safetensors``),
+so later loads read them instead of quantizing again. float32 and bfloat16 are plain conversions
+of the loaded weights and are not cached.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from engine.kernels import Linear, quantize_int8
+from engine.paths import cache_dir
+
+log = logging.getLogger(__name__)
+INT8_VERSION = 1
+
+
+def int8_cache_path(loaded) -> Path:
+    from engine.loading import source_key
+
+    return cache_dir() / "quantized" / f"{source_key(loaded.source)}-int8-v{INT8_VERSION}.safetensors"
+
+
+class WeightPrep:
+    """Builds a decoder's :class:`~engine.kernels.Linear` layers in ``precision``; for int8, reads and
+    fills the model's quantized-weight cache (call :meth:`save` once every layer is built)."""
+
+    def __init__(self, loaded, precision: str = "float32"):
+        self.precision = precision
+        self.path = int8_cache_path(loaded) if precision == "int8" else None
+        self.stored: dict[str, torch.Tensor] = {}
+        self.made: dict[str, torch.Tensor] = {}
+        if self.path is not None and self.path.is_file():
+            from safetensors.torch import load_file
+
+            try:
+                self.stored = load_file(str(self.path))
+            except Exception as exc:  # a damaged cache file is made again
+                log.warning("The int8 weight cache %s could not be read (%s); quantizing again.", self.path, exc)
+                self.stored = {}
+
+    @property
+    def from_cache(self) -> bool:
+        return bool(self.stored) and not self.made
+
+    def _int8(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, scale = self.stored.get(f"{name}.q"), self.stored.get(f"{name}.scale")
+        if q is None or scale is None or tuple(q.shape) != tuple(weight.shape):
+            q, scale = quantize_int8(weight)
+            self.made[f"{name}.q"], self.made[f"{name}.scale"] = q, scale
+        return q, scale
+
+    def linear(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               invariant: bool = True) -> Linear:
+        """``invariant``: see :class:`~engine.kernels.Linear` (False for layers always called with the same rows)."""
+        if self.precision == "int8":
+            return Linear(None, bias, "int8", quantized=self._int8(name, weight.detach()), invariant=invariant)
+        return Linear(weight, bias, self.precision, invariant=invariant)
+
+    def fused(self, name: str, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None,
+              invariant: bool = True) -> Linear:
+        """One matrix for several projections of the same input (q/k/v, gate/up): one weight read."""
+        bias = None
+        if biases is not None and any(b is not None for b in biases):
+            bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
+        return self.linear(name, torch.cat([w.detach() for w in weights]), bias, invariant)
+
+    def of(self, name: str, module: torch.nn.Linear, invariant: bool = True) -> Linear:
+        return self.linear(name, module.weight, module.bias, invariant)
+
+    def save(self) -> None:
+        """Write newly quantized weights into the cache (atomically; a failure only costs the next load time)."""
+        if self.path is None or not self.made:
+            return
+        from safetensors.torch import save_file
+
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in {**self.stored, **self.made}.items()}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            save_file(tensors, str(tmp), metadata={"format": "cadence-int8", "version": str(INT8_VERSION)})
+            tmp.replace(self.path)
+        except OSError as exc:
+            log.warning("The int8 weight cache %s could not be written (%s).", self.path, exc)
