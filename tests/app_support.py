@@ -3,7 +3,6 @@ opening the real window offscreen, dropping files on it, and waiting without blo
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
