@@ -1,0 +1,125 @@
+"""Precision: every kernel keeps rows independent, every precision keeps the engine's invariants
+(batched = serial, drafting = no drafting, seeded sampling the same at any width), int8 weights
+reload from their cache unchanged, a precision the machine lacks is refused in one sentence, and
+``auto`` measures, picks and records its choice."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine import ChatRequest, Engine, TranscribeRequest
+from engine.errors import CadenceError, RequestError
+from engine.kernels import Linear, check_precision, precisions_on
+from engine.sampling import SamplingParams
+
+PROMPTS = ["Name three rivers in Europe.", "Write one sentence about owls.", "What is 12 times 7?",
+           "List two colours and a fruit."]
+OFFERED = precisions_on("cpu")
+REDUCED = [p for p in OFFERED if p != "float32"]
+
+
+@pytest.mark.parametrize("precision", OFFERED)
+def test_every_kernel_gives_a_row_the_same_result_whatever_shares_its_call(precision):
+    torch.manual_seed(0)
+    for out_features, in_features in ((64, 1536), (96, 576), (48, 384)):  # the inner sizes of the default models
+        layer = Linear(torch.randn(out_features, in_features) / in_features ** 0.5, torch.randn(out_features), precision)
+        x = torch.randn(70, in_features)
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(70)])
+        for rows in (2, 3, 8, 17, 32, 33, 64, 70):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), (precision, in_features, rows)
+
+
+def _answers(engine, params) -> list[list[int]]:
+    handles = [engine.submit(ChatRequest(p, params=params)) for p in PROMPTS]
+    return [h.result(600).tokens for h in handles]
+
+
+@pytest.fixture(scope="module", params=REDUCED)
+def reduced_engines(request):
+    """A serial engine and a width-4 engine with drafting, both in one reduced precision."""
+    serial = Engine(backend="cpu", batch="off", drafter="off", precision=request.param)
+    batched = Engine(backend="cpu", batch=4, drafter="ngram", draft_depth=3, precision=request.param)
+    yield request.param, serial, batched
+    serial.shutdown()
+    batched.shutdown()
+
+
+def test_batched_and_drafted_chat_equal_serial_token_for_token(reduced_engines):
+    precision, serial, batched = reduced_engines
+    greedy = SamplingParams(max_tokens=24)
+    alone = _answers(serial, greedy)
+    together = _answers(batched, greedy)
+    assert together == alone, precision
+    lane = batched.status()["lanes"]["smollm2-135m-instruct"]
+    assert lane["precision"] == precision and lane["drafting"]["drafted"] > 0  # drafts were checked
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=11)
+    assert _answers(batched, seeded) == _answers(serial, seeded), precision
+
+
+def test_batched_whisper_equals_serial_in_each_precision(reduced_engines, speech):
+    precision, serial, batched = reduced_engines
+    clips = [speech[n] for n in ("fox", "report", "budget")]
+    one = [serial.submit(TranscribeRequest(c, model="whisper-tiny.en", timestamps=True)).result(600) for c in clips]
+    handles = [batched.submit(TranscribeRequest(c, model="whisper-tiny.en", timestamps=True)) for c in clips]
+    many = [h.result(600) for h in handles]
+    assert [[s.tokens for s in t.segments] for t in many] == [[s.tokens for s in t.segments] for t in one], precision
+    assert "fox" in one[0].text.lower()
+
+
+def test_int8_weights_are_made_once_and_reload_unchanged(smollm):
+    from engine.families.llama import LlamaBatched
+    from engine.seam import StepBatch
+    from engine.weights import int8_cache_path
+
+    path = int8_cache_path(smollm)
+    path.unlink(missing_ok=True)
+    first = LlamaBatched(smollm, precision="int8")
+    assert path.is_file() and not first.weights_from_cache
+    again = LlamaBatched(smollm, precision="int8")
+    assert again.weights_from_cache
+    assert torch.equal(first.layers[3].gate_up.q, again.layers[3].gate_up.q)
+    batch = StepBatch.build([0], [[1, 9690, 198, 1204, 314]], [0])
+    assert torch.equal(first.forward(batch), again.forward(batch))
+
+
+def test_a_precision_the_machine_lacks_is_refused_in_one_sentence(monkeypatch):
+    with pytest.raises(RequestError, match=r"^Unknown precision 'float8' \(use auto, float32, bfloat16, int8\)\.$"):
+        check_precision("float8", "cpu")
+    import engine.kernels as kernels
+
+    monkeypatch.setattr(kernels, "cpu_has_bf16", lambda: False)  # the processor answers "no bfloat16"
+    assert kernels.precisions_on("cpu") == ["float32", "int8"]
+    with pytest.raises(RequestError, match=r"^bfloat16 is not offered here: this processor has no bfloat16 "
+                                           r"instructions \(use float32 or int8\)\.$"):
+        Engine(backend="cpu", precision="bfloat16")
+    with pytest.raises(CadenceError, match="Precision must be auto, float32, bfloat16, int8"):
+        Engine(backend="cpu", precision="fast")
+
+
+def test_auto_measures_picks_and_records_its_choice(tiny, speech, session_dir):
+    from engine.families.whisper import WhisperBatched
+    from engine.loading import source_key
+    from engine.precision import choose_precision
+    from engine.whisper.reference import WhisperReference
+
+    reference = WhisperReference(tiny)
+    choice = choose_precision(tiny, reference, lambda p: WhisperBatched(tiny, precision=p), source_key(tiny.source))
+    assert set(choice.candidates) == set(OFFERED) and choice.chosen in OFFERED
+    assert choice.candidates["float32"]["qualifies"]
+    best = max((p for p, e in choice.candidates.items() if e["qualifies"]), key=lambda p: choice.candidates[p]["score"])
+    assert choice.chosen == best and choice.why.startswith(f"{choice.chosen}: the fastest within quality bounds")
+    stored = list((session_dir / "cache" / "precision").glob("*.json"))
+    assert any(json.loads(p.read_text())["chosen"] == choice.chosen for p in stored)
+    assert choose_precision(tiny, reference, lambda p: WhisperBatched(tiny, precision=p),
+                            source_key(tiny.source)).from_cache
+    engine = Engine(backend="cpu", batch=2, precision="auto")
+    try:
+        assert "fox" in engine.submit(TranscribeRequest(speech["fox"])).result(600).text.lower()
+        lane = engine.status()["lanes"]["whisper-tiny.en"]
+        assert lane["precision"] == choice.chosen and lane["precision_from"] == "auto"
+        assert lane["precision_why"] == choice.why and lane["calibration"]["widths"]
+    finally:
+        engine.shutdown()
