@@ -13,7 +13,7 @@ from pathlib import Path
 from PySide6.QtCore import QSettings
 
 from engine.formats import FORMATS
-from engine.kernels import PRECISIONS
+from engine.api import PRECISIONS
 from engine.models import DEFAULT_CHAT, DEFAULT_WHISPER
 from engine.whisper.pipeline import WINDOWINGS
 

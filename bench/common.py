@@ -28,8 +28,9 @@ def speech_samples(folder: Path, count: int) -> list:
     return clips
 
 
-def faster_whisper_model(name: str, folder: Path, threads: int):
-    """faster-whisper on the same float32 weights as Cadence (model parts joined into one model.bin)."""
+def faster_whisper_model(name: str, folder: Path, threads: int, compute_type: str = "float32"):
+    """faster-whisper on the same weights as Cadence (model parts joined into one model.bin), computing in
+    ``compute_type`` (float32, or int8: what its CPU users run)."""
     from faster_whisper import WhisperModel
 
     from engine.models import resolve
@@ -42,7 +43,7 @@ def faster_whisper_model(name: str, folder: Path, threads: int):
                 shutil.copyfileobj(f, out)
     for file in ("config.json", "tokenizer.json", "vocabulary.txt"):
         shutil.copy(source.folder / file, folder / file)
-    return WhisperModel(str(folder), device="cpu", compute_type="float32", cpu_threads=threads)
+    return WhisperModel(str(folder), device="cpu", compute_type=compute_type, cpu_threads=threads)
 
 
 def in_fresh_thread(fn, *args, **kwargs):

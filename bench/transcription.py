@@ -204,11 +204,12 @@ class Run:
     errors: list[str] = field(default_factory=list)
 
 
-def run_cadence(model: str, paths: list[Path], width, windowing: str = "vad", timestamps: bool = False) -> Run:
+def run_cadence(model: str, paths: list[Path], width, windowing: str = "vad", timestamps: bool = False,
+                precision: str = "float32") -> Run:
     from engine import Engine, TranscribeRequest
 
     start = time.perf_counter()
-    engine = Engine(backend="cpu", batch=width)
+    engine = Engine(backend="cpu", batch=width, precision=precision)
     try:
         handles = [engine.submit(TranscribeRequest(audio=p, model=model, language="en", windowing=windowing,
                                                        timestamps=timestamps)) for p in paths]
@@ -234,7 +235,7 @@ SEQUENTIAL_OPTIONS: dict = {}  # --fw-timestamps: the sequential run seeks by ti
 
 
 def run_faster_whisper(model: str, paths: list[Path], folder: Path, threads: int, batched: int,
-                       timestamps: bool = False) -> Run:
+                       timestamps: bool = False, compute_type: str = "float32") -> Run:
     """faster-whisper from a fresh model (start-up included), on a thread of its own. ``timestamps``: the
     batched pipeline decodes each chunk with time tokens (``without_timestamps=False``)."""
 
@@ -242,7 +243,7 @@ def run_faster_whisper(model: str, paths: list[Path], folder: Path, threads: int
         from bench.common import faster_whisper_model
 
         start = time.perf_counter()
-        fw = faster_whisper_model(model, folder, threads)
+        fw = faster_whisper_model(model, folder, threads, compute_type)
         if batched:
             from faster_whisper import BatchedInferencePipeline
 
@@ -289,6 +290,35 @@ def encoder_seconds(model: str) -> float:
     return in_fresh_thread(work)
 
 
+# ---------------------------------------------------------------------------- engine specs
+def engine_name(spec: str, width, fw_batch: int) -> str:
+    """What a row of the table calls an engine spec: ``KIND[@PRECISION]`` for Cadence (KIND: cadence,
+    cadence-fixed, cadence-ts; PRECISION: float32 by default, or bfloat16, int8, auto), and fw,
+    fw-batched, fw-batched-ts, each with ``-int8`` for faster-whisper's int8 compute type."""
+    kind, _, precision = spec.partition("@")
+    if kind.startswith("cadence"):
+        how = {"cadence": "voice-activity windows", "cadence-fixed": "fixed 30-s windows",
+               "cadence-ts": "voice-activity windows, timestamps"}[kind]
+        return f"Cadence engine (width {width}, {how}, {precision or 'float32'})"
+    int8 = kind.endswith("-int8")
+    kind = kind.removesuffix("-int8")
+    what = {"fw": "faster-whisper sequential",
+            "fw-batched": f"faster-whisper BatchedInferencePipeline (batch {fw_batch}, VAD chunks)",
+            "fw-batched-ts": f"faster-whisper BatchedInferencePipeline (batch {fw_batch}, VAD chunks, timestamps)"}[kind]
+    return f"{what}, {'int8' if int8 else 'float32'}"
+
+
+def run_spec(spec: str, model: str, paths: list[Path], width, folder: Path, threads: int, fw_batch: int) -> Run:
+    kind, _, precision = spec.partition("@")
+    if kind.startswith("cadence"):
+        return run_cadence(model, paths, width, "fixed" if kind == "cadence-fixed" else "vad", kind == "cadence-ts",
+                           precision or "float32")
+    compute = "int8" if kind.endswith("-int8") else "float32"
+    kind = kind.removesuffix("-int8")
+    return run_faster_whisper(model, paths, folder / compute, threads, fw_batch if kind.startswith("fw-batched") else 0,
+                              kind.endswith("-ts"), compute)
+
+
 # ---------------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -300,15 +330,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a dry run: batch files of 5 to 20 s only")
     parser.add_argument("--engines", default="cadence,cadence-fixed,fw,fw-batched",
                         help="any of cadence, cadence-fixed, fw, fw-batched, and with time tokens: cadence-ts "
-                             "(voice-activity windows, the CLI's and app's default) and fw-batched-ts")
+                             "(voice-activity windows, the CLI's and app's default) and fw-batched-ts; Cadence's "
+                             "with @PRECISION (float32 by default, bfloat16, int8, auto), faster-whisper's with "
+                             "-int8 (its int8 compute type)")
     parser.add_argument("--fw-timestamps", action="store_true",
                         help="faster-whisper sequential with timestamps (its long-form seeking: windows end at the "
                              "last timestamp) instead of without_timestamps=True; the batched pipeline is unchanged")
     parser.add_argument("--per-file", action="store_true", help="also print each file's WER per engine")
+    parser.add_argument("--reference", default="fw", help="the engine speed-ups and same tokens are measured against")
     args = parser.parse_args()
     if args.fw_timestamps:
         SEQUENTIAL_OPTIONS["without_timestamps"] = False
-    from engine.engine import parse_batch
+    from engine.api import parse_batch
     from engine.wer import corpus_wer, wer
 
     width = parse_batch(args.width)
@@ -336,12 +369,7 @@ def main() -> None:
               f"seconds = T(start-up + load + {len(base)} + {len(batch)} files) - T(start-up + load + {len(base)} "
               "files), each from a fresh engine / model, after one throw-away run per engine.\n")
 
-        names = {"cadence": f"Cadence engine (width {width}, voice-activity windows)",
-                 "cadence-fixed": f"Cadence engine (width {width}, fixed 30-s windows)", "fw": "faster-whisper sequential",
-                 "fw-batched": f"faster-whisper BatchedInferencePipeline (batch {args.fw_batch}, VAD chunks)",
-                 "cadence-ts": f"Cadence engine (width {width}, voice-activity windows, timestamps)",
-                 "fw-batched-ts": f"faster-whisper BatchedInferencePipeline (batch {args.fw_batch}, VAD chunks, "
-                                  "timestamps)"}
+        names = {e: engine_name(e, width, args.fw_batch) for e in engines}
         rows, raw, floors, per_file = [], [], [], []
         for model in models:
             results = {}
@@ -349,11 +377,7 @@ def main() -> None:
                 folder = work / f"ct2-{model}"
 
                 def go(paths, eng=eng, model=model, folder=folder):
-                    timed = eng.endswith("-ts")
-                    if eng.startswith("cadence"):
-                        return run_cadence(model, paths, width, "fixed" if eng == "cadence-fixed" else "vad", timed)
-                    return run_faster_whisper(model, paths, folder, threads,
-                                              args.fw_batch if eng.startswith("fw-batched") else 0, timed)
+                    return run_spec(eng, model, paths, width, folder, threads, args.fw_batch)
 
                 go([base[0].path])  # throw-away: one-time costs of the process
                 small = go([c.path for c in base])
@@ -367,24 +391,24 @@ def main() -> None:
             if args.per_file:
                 per_file.append((model, {eng: [wer(c.text, t) for c, t in zip(batch, results[eng].texts)]
                                          for eng in engines}))
-            reference = results.get("fw")
+            reference = results.get(args.reference)
             for eng in engines:
                 r = results[eng]
                 speed = f"{reference.seconds / r.seconds:.2f}x" if reference and r.seconds > 0 else "—"
                 error_rate = corpus_wer(zip([c.text for c in batch], r.texts))
-                same = "—" if eng == "fw" or eng.endswith("-ts") or not reference else \
+                same = "—" if eng == args.reference or "-ts" in eng or not reference else \
                     f"{sum(a == b for a, b in zip(r.tokens, reference.tokens))}/{len(batch)}"
                 failed = f" ({len(r.errors)} failed: {r.errors[0]})" if r.errors else ""
                 rows.append(f"| {model} | {names[eng]} | {r.seconds:.2f} | {speed} | {100 * error_rate:.1f}% | "
                             f"{same}{failed} |")
-            cadence_runs = [e for e in engines if e.startswith("cadence")]
+            cadence_runs = [e for e in engines if e.startswith("cadence") and "@" not in e]
             if cadence_runs:
                 enc = encoder_seconds(model)
-                floors += [(model, names[e], enc, n_windows[e], results[e].seconds) for e in cadence_runs]
+                floors += [(model, names[e], enc, n_windows[e.partition("@")[0]], results[e].seconds) for e in cadence_runs]
 
         print(f"## {len(batch)} files, models loaded (start-up and load subtracted)\n")
-        print("| model | engine | seconds | speed-up vs faster-whisper sequential | WER | same tokens as "
-              "faster-whisper sequential |")
+        print(f"| model | engine | seconds | speed-up vs {names.get(args.reference, args.reference)} | WER | "
+              f"same tokens as it |")
         print("|---|---|---|---|---|---|")
         print("\n".join(rows))
         print("\n## Raw runs (each from a fresh engine / model)\n")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Iterator
 
-from engine.errors import CadenceError
+from engine.errors import CadenceError, RequestError
 from engine.models import DEFAULT_CHAT, DEFAULT_WHISPER
 from engine.sampling import SamplingParams
 
@@ -34,7 +34,36 @@ if TYPE_CHECKING:
     import numpy as np
 
     from engine.transcript import Segment, Transcript
-    from engine.whisper.reference import WindowResult
+    from engine.transcript import WindowResult
+
+
+BATCH_ENV = "CADENCE_BATCH"  # off | N | auto: overrides the calibrated width when no batch is given
+
+
+def parse_batch(value) -> str | int:
+    """'auto', 'off' or a width of at least 1; anything else gets a sentence."""
+    text = str(value).strip().lower()
+    if text in ("auto", "off"):
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise CadenceError(f"Batch must be auto, off or a whole number of slots (got '{value}').") from None
+    if n < 1:
+        raise CadenceError(f"Batch width must be at least 1 (got {n}).")
+    return n
+
+
+PRECISION_ENV = "CADENCE_PRECISION"  # auto | float32 | bfloat16 | int8, when no precision is given
+PRECISIONS = ("float32", "bfloat16", "int8")  # see engine.kernels; "auto" measures them (engine.precision)
+
+
+def parse_precision(value) -> str:
+    """'auto' or one of PRECISIONS; anything else gets a sentence."""
+    text = str(value).strip().lower()
+    if text == "auto" or text in PRECISIONS:
+        return text
+    raise RequestError(f"Precision must be auto, {', '.join(PRECISIONS)} (got '{value}').")
 
 
 # ---------------------------------------------------------------------------- requests

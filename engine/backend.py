@@ -1,8 +1,6 @@
-"""Which compute backends this machine has, and which one to use."""
+"""Which compute backends this machine has, and which one to use (PyTorch is imported only when asked)."""
 
 from __future__ import annotations
-
-import torch
 
 from engine.errors import RequestError
 
@@ -10,6 +8,8 @@ BACKENDS = ("auto", "cpu", "cuda", "mps")
 
 
 def available_backends() -> list[str]:
+    import torch
+
     found = ["cpu"]
     if torch.cuda.is_available():  # ROCm builds of PyTorch report through torch.cuda as well
         found.insert(0, "cuda")
@@ -32,6 +32,8 @@ def resolve_backend(name: str = "auto") -> str:
 
 
 def describe_backend(device: str) -> str:
+    import torch
+
     if device == "cuda":
         return f"CUDA ({torch.cuda.get_device_name(0)})"
     if device == "mps":
@@ -41,20 +43,23 @@ def describe_backend(device: str) -> str:
 
 
 DTYPE_ENV = "CADENCE_DTYPE"  # float32 | float16 | bfloat16: overrides the per-backend choice
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def default_dtype(device: str, family: str) -> torch.dtype:
-    """float32 on CPU (exact against the references, and oneDNN's packed kernels are float32);
-    on a GPU half precision, as its users expect: float16 for Whisper (what CTranslate2 runs
-    there), bfloat16 for chat models where the GPU supports it (float16 overflows in some)."""
+def default_dtype(device: str, family: str):
+    """The dtype the loaded (reference) model is kept in: float32 on CPU (exact against the
+    references; the batched decoders choose their own precision, see engine.kernels); on a GPU half
+    precision, as its users expect: float16 for Whisper (what CTranslate2 runs there), bfloat16 for
+    chat models where the GPU supports it (float16 overflows in some)."""
     import os
 
+    import torch
+
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     chosen = os.environ.get(DTYPE_ENV, "").strip().lower()
     if chosen:
-        if chosen not in _DTYPES:
-            raise RequestError(f"{DTYPE_ENV} must be one of {', '.join(_DTYPES)} (got '{chosen}').")
-        return _DTYPES[chosen]
+        if chosen not in dtypes:
+            raise RequestError(f"{DTYPE_ENV} must be one of {', '.join(dtypes)} (got '{chosen}').")
+        return dtypes[chosen]
     if device == "cuda":
         if family == "chat" and torch.cuda.is_bf16_supported():
             return torch.bfloat16

@@ -17,7 +17,7 @@ Drafters here:
 - :class:`DraftModelDrafter` runs a smaller chat model with the same tokenizer in its own slots.
 - :class:`LookupThenMTPDrafter` (``auto`` where a head is shipped): lookup where it finds a match,
   else the head.
-Every drafter proposes deterministically, which the sampling rule (engine.sampling.check_draft)
+Every drafter proposes deterministically, which the sampling rule (engine.picking.check_draft)
 relies on to keep sampled output distributed exactly as without drafting.
 """
 

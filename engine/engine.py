@@ -18,26 +18,11 @@ from typing import Callable
 
 import torch
 
-from engine.api import ChatRequest, Handle, TranscribeRequest
+from engine.api import BATCH_ENV, PRECISION_ENV, ChatRequest, Handle, TranscribeRequest, parse_batch, parse_precision
 from engine.errors import CadenceError, record_fault
 from engine.models import CHAT, WHISPER
 
-BATCH_ENV = "CADENCE_BATCH"  # off | N | auto: overrides the calibrated width when no batch is given
 STEP_STATS_ENV = "CADENCE_STEP_STATS"  # FILE.jsonl: one line per step
-
-
-def parse_batch(value) -> str | int:
-    """'auto', 'off' or a width of at least 1; anything else gets a sentence."""
-    text = str(value).strip().lower()
-    if text in ("auto", "off"):
-        return text
-    try:
-        n = int(text)
-    except ValueError:
-        raise CadenceError(f"Batch must be auto, off or a whole number of slots (got '{value}').") from None
-    if n < 1:
-        raise CadenceError(f"Batch width must be at least 1 (got {n}).")
-    return n
 
 
 def _recent_rate(stamps: list[float], last: int = 16) -> float | None:
@@ -65,7 +50,6 @@ class Engine:
         from engine.backend import resolve_backend
         from engine.drafting import DRAFTER_ENV, MAX_DEPTH, parse_drafter
         from engine.kernels import check_precision
-        from engine.precision import PRECISION_ENV, parse_precision
 
         self.device = resolve_backend(backend)
         chosen = precision if precision is not None else os.environ.get(PRECISION_ENV) or "auto"
@@ -351,4 +335,4 @@ class Engine:
                         f"details are in {record_fault(exc)}.")
 
 
-__all__ = ["Engine", "parse_batch"]
+__all__ = ["Engine"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from engine.errors import CadenceError
 from engine.store import connect, db_path
-from engine.whisper.reference import WindowResult
+from engine.transcript import WindowResult
 
 UNFINISHED = ("queued", "running")
 

@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.api import PRECISIONS
 from engine.errors import RequestError
 
 PACK_ROWS = 64  # the row count oneDNN tunes the packed layout for; results do not depend on it
-PRECISIONS = ("float32", "bfloat16", "int8")
 
 
 # ---------------------------------------------------------------------------- what the machine has

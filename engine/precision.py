@@ -26,12 +26,11 @@ from pathlib import Path
 
 import torch
 
-from engine.errors import RequestError
-from engine.kernels import PRECISIONS, precisions_on
+from engine.api import PRECISION_ENV, parse_precision  # noqa: F401 - the names callers look for here
+from engine.kernels import precisions_on
 from engine.paths import cache_dir
 from engine.seam import StepBatch
 
-PRECISION_ENV = "CADENCE_PRECISION"  # auto | float32 | bfloat16 | int8, when --precision is not given
 CHOICE_VERSION = 1
 MIN_AGREEMENT = 0.97  # chat: share of positions whose top-1 token equals float32's
 MAX_WER_RISE = 0.005  # Whisper: word error rate at most this much above float32's (0.5 points)
@@ -52,14 +51,6 @@ CHECK_PROMPTS = [
     "How does a bicycle stay upright when it moves?",
     "Tell me a short story about a lost key.",
 ]
-
-
-def parse_precision(value) -> str:
-    """'auto' or one of PRECISIONS; anything else gets a sentence."""
-    text = str(value).strip().lower()
-    if text == "auto" or text in PRECISIONS:
-        return text
-    raise RequestError(f"Precision must be auto, {', '.join(PRECISIONS)} (got '{value}').")
 
 
 @dataclass

@@ -32,7 +32,8 @@ from engine.drafting import (
     update_acceptance,
 )
 from engine.errors import record_fault
-from engine.sampling import SamplingParams, TokenPicker
+from engine.picking import TokenPicker
+from engine.sampling import SamplingParams
 from engine.seam import BatchedDecoder, StepBatch
 
 log = logging.getLogger(__name__)

@@ -6,6 +6,16 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class WindowResult:
+    """One decoded window: its tokens, and what the quality checks read (no-speech probability at the
+    start of transcript, mean log-probability of the chosen tokens)."""
+
+    tokens: list[int]  # generated ids, end-of-text excluded
+    no_speech_prob: float
+    avg_logprob: float
+
+
+@dataclass
 class Segment:
     start: float
     end: float

@@ -8,7 +8,8 @@ require such a near-tie; any other difference is a masking, position or sampling
 
 import torch
 
-from engine.sampling import SamplingParams, TokenPicker
+from engine.picking import TokenPicker
+from engine.sampling import SamplingParams
 
 NEAR_TIE = 1e-3
 

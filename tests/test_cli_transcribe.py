@@ -38,12 +38,12 @@ def test_outputs_go_next_to_the_inputs_by_default_and_to_stdout_with_out_dash(sp
     assert "dog" in printed.lower() and not (tmp_path / "meeting.txt").exists()
 
 
-def test_killed_mid_file_then_resumed_without_redoing_finished_windows(speech, tmp_path, private_store, base):
+def test_killed_mid_file_then_resumed_without_redoing_finished_windows(speech, tmp_path, private_store, tiny):
     env, db = private_store
     long_file = tmp_path / "lecture.wav"
     subprocess.run(["sox", str(speech["long"]), str(long_file), "repeat", "3"], check=True)  # 4 copies: 5 or 6 windows
     out = tmp_path / "out"
-    args = ["transcribe", str(long_file), "--model", "whisper-base", "--format", "json", "--out", str(out),
+    args = ["transcribe", str(long_file), "--model", "whisper-tiny.en", "--format", "json", "--out", str(out),
             "--batch", "1"]
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)

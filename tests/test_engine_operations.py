@@ -11,7 +11,7 @@ import pytest
 
 from engine.calibration import MIN_SLOT_SHARE, calibrate, choose_width
 from engine import ChatRequest, Engine, TranscribeRequest
-from engine.engine import parse_batch
+from engine.api import parse_batch
 from engine.errors import CadenceError
 from engine.families.whisper import WhisperBatched
 from engine.loading import source_key

@@ -7,7 +7,7 @@ import pytest
 
 from engine.errors import CadenceError
 from engine.jobs import JobStore, settle_job, submit_job
-from engine.whisper.reference import WindowResult
+from engine.transcript import WindowResult
 
 
 @pytest.fixture

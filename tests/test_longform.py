@@ -7,7 +7,7 @@ import pytest
 from conftest import SPEECH, synthesize
 from parity import clip_timestamps
 
-from engine import TranscribeRequest
+from engine import Engine, TranscribeRequest
 from engine.wer import wer as word_error_rate
 
 ENGLISH = ["fox", "report", "budget", "weather"]
@@ -90,8 +90,20 @@ def test_timed_phrases_batched_and_drafted_equal_the_reference(engine4, engine_o
     assert len(forced.segments) > len(long.segments)  # the parts' phrases were joined on
 
 
-def test_an_hour_of_speech(engine4, session_dir):
-    """One hour of generated speech (a minute of varied sentences, sixty times), about 120 windows."""
+def test_an_hour_of_speech(session_dir):
+    """One hour of generated speech (a minute of varied sentences, sixty times), about 120 windows, in
+    bfloat16 where the machine offers it (this checks length and words, not float32 parity)."""
+    from engine.kernels import precisions_on
+
+    precision = "bfloat16" if "bfloat16" in precisions_on("cpu") else "float32"
+    engine = Engine(backend="cpu", batch=8, drafter="off", precision=precision)
+    try:
+        _transcribe_an_hour(engine, session_dir)
+    finally:
+        engine.shutdown()
+
+
+def _transcribe_an_hour(engine4, session_dir):
     folder = session_dir / "hour"
     folder.mkdir()
     parts = [synthesize(SPEECH[n][2], folder / f"{n}.wav", SPEECH[n][0], SPEECH[n][1]) for n in ENGLISH]

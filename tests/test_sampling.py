@@ -12,7 +12,8 @@ from parity import assert_same_or_near_tie
 from engine.chat.reference import build_messages
 from engine import ChatRequest
 from engine.errors import CadenceError
-from engine.sampling import SamplingParams, TokenPicker, pick_token
+from engine.picking import TokenPicker, pick_token
+from engine.sampling import SamplingParams
 from engine.text_stream import TextStream
 
 REPEAT = "Repeat the word hello five times."

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from app.cli.common import add_engine_flags, err, quiet_libraries
+from app.cli.common import add_engine_flags, err
 from engine.errors import CadenceError
 
 
@@ -118,7 +118,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        quiet_libraries()
         return args.func(args)
     except CadenceError as exc:
         err(f"cadence: {exc}")

@@ -119,6 +119,7 @@ def cmd_chat(args) -> int:
         params = sampling_params(flags)
         model = args.model or DEFAULT_CHAT
     batch = parse_batch(args.batch)
+    engine_opts = engine_options(args)
     source = check_model(model, CHAT)
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
     single = args.prompt is not None
@@ -129,7 +130,7 @@ def cmd_chat(args) -> int:
     failed = 0
     streamed = False
     try:
-        with Session(args.backend, batch, engine_options(args)) as session:
+        with Session(args.backend, batch, engine_opts) as session:
             conversations = Conversations(session.engine, store.path)
             try:
                 err(f"Answering {len(prompts)} prompt{'s' if len(prompts) != 1 else ''} with {source.name} "

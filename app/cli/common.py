@@ -31,7 +31,7 @@ def quiet_libraries() -> None:
 
 def parse_batch(text: str | None) -> str | int | None:
     """--batch: the engine's rule (auto, off or N >= 1); None (flag not given) lets the engine read CADENCE_BATCH."""
-    from engine.engine import parse_batch as engine_parse_batch
+    from engine.api import parse_batch as engine_parse_batch
 
     if text is None:
         return None
@@ -58,6 +58,7 @@ class Session:
     def __init__(self, backend: str, batch: str | int | None, options: dict | None = None):
         from engine import Engine
 
+        quiet_libraries()  # before anything imports transformers
         # batch None: the engine reads CADENCE_BATCH; drafter None: CADENCE_DRAFTER; precision None: CADENCE_PRECISION
         self.engine = Engine(backend=backend, batch=batch, **(options or {}))
         self.handles: list = []
@@ -144,6 +145,15 @@ def add_engine_flags(p: argparse.ArgumentParser, backends) -> None:
 
 
 def engine_options(args) -> dict:
-    """The engine's drafting and precision arguments from the command line."""
+    """The engine's drafting and precision arguments from the command line (the precision's spelling
+    checked here, before anything loads)."""
+    from engine.api import parse_precision
+
+    precision = None
+    if args.precision is not None:
+        try:
+            precision = parse_precision(args.precision)
+        except CadenceError as exc:
+            raise CadenceError(f"--precision: {exc}") from None
     return {"drafter": args.drafter, "draft_depth": args.draft_depth, "draft_min_p": args.draft_min_p,
-            "precision": args.precision}
+            "precision": precision}

@@ -46,6 +46,7 @@ def cmd_transcribe(args) -> int:
         raise CadenceError(f"--json prints JSON; it cannot be combined with --format {args.format}.")
     fmt = "json" if args.json else (args.format or "txt")
     batch = parse_batch(args.batch)
+    engine_opts = engine_options(args)
     jobs = JobStore()
     if not args.files and not args.resume:
         raise CadenceError("Give audio files or folders to transcribe, or --resume to continue unfinished jobs.")
@@ -73,7 +74,7 @@ def cmd_transcribe(args) -> int:
 
     show_progress = sys.stderr.isatty()
     entries, failed = [], 0
-    with Session(args.backend, batch, engine_options(args)) as session:
+    with Session(args.backend, batch, engine_opts) as session:
         handles = {}
         for job_id in ids:  # refuse what cannot be written before decoding anything
             job = jobs.get(job_id)

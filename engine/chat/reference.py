@@ -14,7 +14,8 @@ import torch
 from engine.api import ChatAnswer, PromptFitting
 from engine.errors import RequestError
 from engine.loading import LoadedModel
-from engine.sampling import SamplingParams, TokenPicker
+from engine.picking import TokenPicker
+from engine.sampling import SamplingParams
 from engine.text_stream import TextStream
 
 

@@ -18,7 +18,8 @@ from engine.audio import SAMPLE_RATE, load_audio
 from engine.errors import CadenceError, RequestError
 from engine.transcript import Segment, Transcript
 from engine.whisper.features import FRAMES_PER_SECOND, WINDOW_FRAMES, log_mel, pad_window, windows
-from engine.whisper.reference import WhisperReference, WindowResult
+from engine.transcript import WindowResult
+from engine.whisper.reference import WhisperReference
 from engine.whisper.timestamps import TIME_PRECISION, TimestampRules
 from engine.whisper.tokens import WhisperTokenizer
 

@@ -7,22 +7,14 @@ Faster paths elsewhere in the engine are tested against it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from engine.loading import LoadedModel
+from engine.transcript import WindowResult
 from engine.whisper.timestamps import TimestampRules
 
 MAX_LENGTH = 448  # decoder positions, prompt included
-
-
-@dataclass
-class WindowResult:
-    tokens: list[int]  # generated ids, end-of-text excluded
-    no_speech_prob: float
-    avg_logprob: float
 
 
 class WhisperReference:

@@ -24,7 +24,8 @@ from engine.whisper.pipeline import (
     result_segments,
     steps_to_frames,
 )
-from engine.whisper.reference import WhisperReference, WindowResult
+from engine.transcript import WindowResult
+from engine.whisper.reference import WhisperReference
 from engine.whisper.timestamps import TimestampRules
 
 
