@@ -61,8 +61,8 @@ def make_engine(choice: EngineChoice) -> Engine:
         kwargs["drafter"] = choice.drafter
     if choice.draft_depth and "draft_depth" in accepted:
         kwargs["draft_depth"] = choice.draft_depth
-    if "precision" in accepted:
-        kwargs["precision"] = choice.precision
+    if "precision" in accepted and choice.precision != "auto":
+        kwargs["precision"] = choice.precision  # 'auto' is left to the engine, so CADENCE_PRECISION still applies
     return Engine(**kwargs)
 
 
