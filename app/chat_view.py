@@ -1,32 +1,30 @@
 """Chats: the list of conversations and the open one, with streamed answers.
 
 Several conversations can be answered at once (each answer is one engine slot); only the open
-one is drawn, at most every :data:`REDRAW_MS`, however fast tokens arrive. Every answer shows its
-speed (live while streaming, the engine's own figure once done). Stop, regenerate, edit the last
-message, per-chat settings and export are here; versions made by regenerate/edit are kept.
+one is drawn, at most every :data:`REDRAW_MS`, however fast tokens arrive. Answers are drawn as
+Markdown (:mod:`app.chat_markdown`: headings, lists, tables, coloured code blocks with a Copy link
+each); a message's own Copy link copies its Markdown source. Every answer shows its speed (live
+while streaming, the engine's own figure once done). Stop, regenerate, edit the last message,
+per-chat settings and export are here; versions made by regenerate/edit are kept.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import html
+import time
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QDesktopServices, QFontDatabase
 from PySide6.QtWidgets import (
-    QComboBox,
-    QDialog,
-    QDialogButtonBox,
-    QDoubleSpinBox,
+    QApplication,
     QFileDialog,
-    QFormLayout,
     QHBoxLayout,
     QLabel,
     QListWidget,
     QListWidgetItem,
     QPlainTextEdit,
     QPushButton,
-    QSpinBox,
     QSplitter,
     QTextBrowser,
     QVBoxLayout,
@@ -34,66 +32,24 @@ from PySide6.QtWidgets import (
 )
 
 from engine.errors import CadenceError
-from engine.models import CHAT, list_models
 
 from app.bridge import EngineBridge
+from app.chat_markdown import MarkdownRenderer, copy_kind, copy_link, style_sheet
+from app.chat_settings import ChatSettingsDialog
 
-REDRAW_MS = 80
+REDRAW_MS = 80  # at most ~12 redraws a second while an answer streams
+DRAW_SHARE = 0.25  # ... and fewer when a redraw is slow: drawing takes at most this share of the window's time
+OPEN_LINK_SCHEMES = ("http", "https", "mailto")
+TRANSCRIPT_SUGGESTION = "Summarize this recording in three sentences."  # links in answers the browser or mail program may open
 STATE_NOTES = {"stopped": "stopped", "interrupted": "interrupted: the app closed while it was written",
                "streaming": "writing…"}
 # An answer the model had not finished when it reached the length limit (or the end of the context).
 LENGTH_NOTE = "cut off at the length limit (Chat settings… sets it)"
 
 
-def chat_models() -> list[str]:
-    return [m["name"] for m in list_models() if m["family"] == CHAT and m["available"]]
-
-
-class ChatSettingsDialog(QDialog):
-    """Model, system prompt and sampling settings of one conversation."""
-
-    def __init__(self, conversation, parent: QWidget | None = None):
-        super().__init__(parent)
-        self.setWindowTitle("Chat settings")
-        p = conversation.params
-        self.model = QComboBox()
-        self.model.setEditable(True)
-        self.model.addItems(chat_models())
-        self.model.setCurrentText(conversation.model)
-        self.system = QPlainTextEdit(conversation.system or "")
-        self.system.setPlaceholderText("Optional: how the assistant should answer")
-        self.temperature = QDoubleSpinBox(decimals=2, minimum=0, maximum=5, singleStep=0.1, value=p.temperature)
-        self.top_p = QDoubleSpinBox(decimals=2, minimum=0.01, maximum=1, singleStep=0.05, value=p.top_p)
-        self.top_k = QSpinBox(minimum=0, maximum=1000, value=p.top_k)
-        self.repetition = QDoubleSpinBox(decimals=2, minimum=0.01, maximum=5, singleStep=0.05, value=p.repetition_penalty)
-        self.max_tokens = QSpinBox(minimum=1, maximum=4096, value=p.max_tokens)
-        self.seed = QSpinBox(minimum=-1, maximum=2**31 - 1, value=-1 if p.seed is None else p.seed)
-        self.seed.setSpecialValueText("none")
-        form = QFormLayout(self)
-        form.addRow("Model", self.model)
-        form.addRow("System prompt", self.system)
-        form.addRow("Temperature (0 = greedy)", self.temperature)
-        form.addRow("Top-p", self.top_p)
-        form.addRow("Top-k (0 = off)", self.top_k)
-        form.addRow("Repetition penalty (1 = off)", self.repetition)
-        form.addRow("Max tokens per answer", self.max_tokens)
-        form.addRow("Seed", self.seed)
-        buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
-        buttons.accepted.connect(self.accept)
-        buttons.rejected.connect(self.reject)
-        form.addRow(buttons)
-        self._params = p
-
-    def values(self) -> dict:
-        params = dataclasses.replace(self._params, temperature=self.temperature.value(), top_p=self.top_p.value(),
-                                     top_k=self.top_k.value(), repetition_penalty=self.repetition.value(),
-                                     max_tokens=self.max_tokens.value(),
-                                     seed=None if self.seed.value() < 0 else self.seed.value())
-        return {"model": self.model.currentText().strip(), "system": self.system.toPlainText(), "params": params}
-
-
 class ChatView(QWidget):
     conversation_opened = Signal(int)
+    notice = Signal(str)  # a short note for the status bar ("The code is on the clipboard.")
 
     def __init__(self, bridge: EngineBridge, parent: QWidget | None = None):
         super().__init__(parent)
@@ -102,6 +58,9 @@ class ChatView(QWidget):
         self.conversation = None  # the open Conversation (messages of its active branch)
         self.live_text: dict[int, tuple[str, float]] = {}  # answer id -> (text so far, tok/s), open chat only
         self.editing: int | None = None  # the user message being edited
+        self.markdown = MarkdownRenderer()
+        self.copyable: dict[str, str] = {}  # Copy link -> the text it copies, for what is drawn now
+        self.redraw_ms = REDRAW_MS  # the pause before the next streaming redraw (longer when drawing is slow)
 
         self.list = QListWidget()
         self.list.currentItemChanged.connect(lambda item, _old: item is not None and self.open(item.data(Qt.UserRole)))
@@ -126,6 +85,8 @@ class ChatView(QWidget):
         self.export_button.clicked.connect(self._choose_export)
         self.view = QTextBrowser()
         self.view.setOpenLinks(False)
+        self.view.document().setDefaultStyleSheet(style_sheet(QFontDatabase.systemFont(QFontDatabase.FixedFont).family()))
+        self.view.anchorClicked.connect(self.follow_link)
         self.input = QPlainTextEdit()
         self.input.setPlaceholderText("Write a message (Ctrl+Enter sends)")
         self.input.setMaximumHeight(90)
@@ -227,10 +188,15 @@ class ChatView(QWidget):
         return conversation_id
 
     def chat_about_job(self, job_id: int) -> int | None:
+        """Open a new conversation about a finished transcript, its input focused: what is typed next is
+        its first message (the suggested question is selected, so typing replaces it). Call it with this
+        view shown: a tab being shown moves the keyboard focus to its first button ("New chat")."""
         conversation_id = self._open_created(lambda: self.bridge.conversations.create_about_transcript(
             job_id, model=self.bridge.settings.chat_model)[0])
         if conversation_id is not None:
-            self.input.setPlainText("Summarize this recording in three sentences.")
+            self.input.setPlainText(TRANSCRIPT_SUGGESTION)
+            self.input.selectAll()
+            self.input.setFocus()
         return conversation_id
 
     def open(self, conversation_id: int) -> None:
@@ -276,35 +242,12 @@ class ChatView(QWidget):
             self._draw()
 
     def _draw(self) -> None:
+        started = time.perf_counter()
+        self.copyable = {}
         if self.conversation is None:
             self.view.clear()
             return
-        parts = []
-        for m in self.conversation.messages:
-            text, tok_s = self.live_text.get(m.id, (m.content, None))
-            who = "You" if m.role == "user" else "Assistant"
-            version = f" (version {m.sibling_index + 1} of {m.siblings})" if m.siblings > 1 else ""
-            body = html.escape(text).replace("\n", "<br>") or "<i>…</i>"
-            foot = []
-            if m.role == "assistant":
-                speed = tok_s if m.id in self.live_text else m.stats.get("decode_tok_s")
-                if m.id in self.live_text:
-                    foot.append("writing…")
-                elif m.state in STATE_NOTES:
-                    foot.append(STATE_NOTES[m.state])
-                if m.state == "failed" and m.error:
-                    foot.append(f"<span style='color:#b00020'>{html.escape(m.error)}</span>")
-                if m.stats.get("tokens"):
-                    foot.append(f"{m.stats['tokens']} tokens")
-                if m.state == "complete" and m.stats.get("finish_reason") == "length":
-                    foot.append(LENGTH_NOTE)
-                if speed:
-                    foot.append(f"{speed:.1f} tok/s")
-                if m.stats.get("dropped_turns"):
-                    foot.append(f"{m.stats['dropped_turns']} earlier turns left out to fit")
-            color = "#eef3fb" if m.role == "user" else "#f6f6f6"
-            parts.append(f"<div style='background:{color}; padding:6px; margin:4px'><b>{who}</b>{version}<br>{body}"
-                         + (f"<br><small style='color:#666'>{' · '.join(foot)}</small>" if foot else "") + "</div>")
+        parts = [self._message_html(m) for m in self.conversation.messages]
         if not parts:
             parts.append("<p style='color:#666'>No messages yet. Write one below.</p>")
         bar = self.view.verticalScrollBar()
@@ -312,11 +255,59 @@ class ChatView(QWidget):
         self.view.setHtml("".join(parts))
         if at_end:
             bar.setValue(bar.maximum())
+        self.redraw_ms = max(REDRAW_MS, int((time.perf_counter() - started) * 1000 / DRAW_SHARE))
+
+    def _message_html(self, m) -> str:
+        """One message: who wrote it and its Copy link, then its text (an answer as Markdown) and notes."""
+        live = m.id in self.live_text
+        text, tok_s = self.live_text.get(m.id, (m.content, None))
+        who = "You" if m.role == "user" else "Assistant"
+        version = f" (version {m.sibling_index + 1} of {m.siblings})" if m.siblings > 1 else ""
+        link = copy_link("message", m.id)
+        self.copyable[link] = text  # the Markdown source, as written
+        head = f"<b>{who}</b>{version} &nbsp;<small><a href='{link}' style='text-decoration:none'>Copy</a></small>"
+        if m.role == "user":
+            body = html.escape(text).replace("\n", "<br>") or "<i>…</i>"
+            return f"<div style='background:#eef3fb; margin:4px'>{head}<br>{body}</div>"
+        rendered = self.markdown.render(text, str(m.id), keep=not live)
+        for number, code in enumerate(rendered.code_blocks):
+            self.copyable[copy_link("code", m.id, number)] = code
+        foot = []
+        speed = tok_s if live else m.stats.get("decode_tok_s")
+        if live:
+            foot.append("writing…")
+        elif m.state in STATE_NOTES:
+            foot.append(STATE_NOTES[m.state])
+        if m.state == "failed" and m.error:
+            foot.append(f"<span style='color:#b00020'>{html.escape(m.error)}</span>")
+        if m.stats.get("tokens"):
+            foot.append(f"{m.stats['tokens']} tokens")
+        if m.state == "complete" and m.stats.get("finish_reason") == "length":
+            foot.append(LENGTH_NOTE)
+        if speed:
+            foot.append(f"{speed:.1f} tok/s")
+        if m.stats.get("dropped_turns"):
+            foot.append(f"{m.stats['dropped_turns']} earlier turns left out to fit")
+        return (f"<div style='background:#f6f6f6; margin:4px'>{head}</div>"
+                f"<div style='margin-left:4px; margin-right:4px'>{rendered.html or '<p><i>…</i></p>'}</div>"
+                + (f"<p style='margin:4px'><small style='color:#666'>{' · '.join(foot)}</small></p>" if foot else ""))
 
     def rendered_text(self) -> str:
         """What the open conversation shows (drawn now, even while the tab is hidden)."""
         self._draw()
         return self.view.toPlainText()
+
+    def follow_link(self, url: QUrl) -> None:
+        """A Copy link puts what it names on the clipboard, as drawn (a message's Markdown source, or one
+        code block's code); a web or mail link opens outside the app; nothing else is followed."""
+        href = url.toString()
+        kind = copy_kind(href)
+        if kind is not None:
+            if href in self.copyable:
+                QApplication.clipboard().setText(self.copyable[href])
+                self.notice.emit(f"The {'code' if kind == 'code' else 'message'} is on the clipboard.")
+        elif url.scheme() in OPEN_LINK_SCHEMES:
+            QDesktopServices.openUrl(url)
 
     def _on_update(self, conversation_id: int, message_id: int, text: str, tok_s: float) -> None:
         if conversation_id != self.current:
@@ -325,7 +316,7 @@ class ChatView(QWidget):
             self.conversation = self.bridge.conversations.get(conversation_id)  # a new answer row
         self.live_text[message_id] = (text, tok_s)
         if not self.redraw_timer.isActive():
-            self.redraw_timer.start(REDRAW_MS)
+            self.redraw_timer.start(self.redraw_ms)
 
     def _on_ended(self, conversation_id: int, message_id: int, error: str) -> None:
         self._refresh_list_item(conversation_id)

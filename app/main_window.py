@@ -75,6 +75,7 @@ class MainWindow(QMainWindow):
         self.bridge.status_changed.connect(self.engine_panel.update_status)
         self.queue.open_transcript.connect(self.open_transcript)
         self.transcript.chat_about.connect(self.chat_about)
+        self.chats.notice.connect(lambda sentence: self.statusBar().showMessage(sentence, 5000))
         self.recording.recorded.connect(lambda _path: self.statusBar().showMessage("The recording was queued.", 8000))
 
         transcribe = QSplitter(Qt.Vertical)
@@ -148,8 +149,11 @@ class MainWindow(QMainWindow):
             self.tabs.setCurrentIndex(0)
 
     def chat_about(self, job_id: int) -> None:
-        if self.chats.chat_about_job(job_id) is not None:
-            self.tabs.setCurrentWidget(self.chats)
+        """*Chat about this transcript*: the Chats tab is shown first (showing it moves the keyboard focus
+        into it, to its "New chat" button, where a space typed at once would start a plain chat), then
+        the new conversation opens with its input focused, so a question typed at once goes to it whole."""
+        self.tabs.setCurrentWidget(self.chats)
+        self.chats.chat_about_job(job_id)
 
     # ------------------------------------------------------------------ closing
     def closeEvent(self, event) -> None:

@@ -81,3 +81,39 @@ def short_params(max_tokens: int = CHAT_TOKENS):
     from engine.sampling import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens)
+
+
+def type_text(text: str) -> None:
+    """Type as a keyboard does: each key goes to whichever widget has the keyboard focus at that moment."""
+    from PySide6.QtTest import QTest
+
+    for character in text:
+        focus = QApplication.focusWidget()
+        assert focus is not None, "no widget has the keyboard focus"
+        QTest.keyClick(focus, character)
+
+
+def click_link(qtbot, browser, href: str) -> None:
+    """Click the link to ``href`` in a QTextBrowser with the mouse, where it is drawn."""
+    from PySide6.QtCore import QPoint
+    from PySide6.QtGui import QTextCursor
+
+    document = browser.document()
+    block = document.begin()
+    while block.isValid():
+        it = block.begin()
+        while not it.atEnd():
+            fragment = it.fragment()
+            if fragment.charFormat().anchorHref() == href:
+                cursor = QTextCursor(document)
+                cursor.setPosition(fragment.position())
+                browser.setTextCursor(cursor)
+                browser.ensureCursorVisible()
+                rect = browser.cursorRect(cursor)
+                point = QPoint(rect.x() + 3, rect.center().y())
+                assert browser.anchorAt(point) == href, f"{href} is not drawn at {point}"
+                qtbot.mouseClick(browser.viewport(), Qt.LeftButton, pos=point)
+                return
+            it += 1
+        block = block.next()
+    raise AssertionError(f"no link to {href} in the document")

@@ -7,7 +7,11 @@ from __future__ import annotations
 import json
 import shutil
 
-from app_support import app_home, drop_files, open_window, row_texts, wait_jobs_settled  # noqa: F401
+from app_support import app_home, drop_files, open_window, row_texts, short_params, type_text, wait_answers  # noqa: F401
+from app_support import wait_jobs_settled
+from PySide6.QtCore import Qt
+from PySide6.QtTest import QTest
+from PySide6.QtWidgets import QApplication
 from parity import clip_timestamps
 
 from app.queue_view import DURATION, FILE, MESSAGE, PROGRESS, PROGRESS_ROLE, STATE
@@ -67,8 +71,6 @@ def test_dropped_files_and_folder_are_transcribed_and_the_transcript_opens(qtbot
     assert "no audio output device" in view.note.text()
 
     view.copy_button.click()
-    from PySide6.QtWidgets import QApplication
-
     assert "lazy dog" in QApplication.clipboard().text().lower()
     out = tmp_path / "exports"
     out.mkdir()
@@ -78,12 +80,32 @@ def test_dropped_files_and_folder_are_transcribed_and_the_transcript_opens(qtbot
     assert "lazy dog" in json.loads((out / "fox.json").read_text())["text"].lower()
     assert view.export_to(out / "fox.docx") is None and "export to" in view.note.text()
 
-    # Chat about this transcript: a conversation whose context holds the transcript.
-    view.chat_button.click()
-    assert window.tabs.currentWidget() is window.chats
-    conv = window.bridge.conversations.get(window.chats.current)
+    # Chat about this transcript (clicked with the mouse, then a question typed at once and sent with
+    # Ctrl+Enter): a conversation whose context holds the transcript gets the question, whole, and answers it.
+    window.activateWindow()
+    qtbot.waitActive(window)
+    qtbot.mouseClick(view.chat_button, Qt.LeftButton)
+    chats = window.chats
+    focused = QApplication.focusWidget()
+    assert window.tabs.currentWidget() is chats
+    about = chats.current
+    conv = window.bridge.conversations.get(about)
     assert "lazy dog" in conv.context["transcript"]["text"].lower()
     assert conv.title == "About fox.wav"
+    assert chats.apply_settings(params=short_params())
+    question = "Who jumps over the lazy dog?"
+    type_text(question)  # the suggested question is replaced by what is typed
+    QTest.keyClick(QApplication.focusWidget(), Qt.Key_Return, Qt.ControlModifier)  # the Send shortcut
+    qtbot.waitUntil(lambda: bool(window.bridge.live_replies), timeout=5000)
+    wait_answers(qtbot, window, timeout=300)
+    assert [c["id"] for c in window.bridge.conversations.list()] == [about]  # no other conversation began
+    conv = window.bridge.conversations.get(about)
+    assert [m.role for m in conv.messages] == ["user", "assistant"]
+    assert conv.messages[0].content == question
+    assert focused is chats.input  # where the question went: the new conversation's input had the focus
+    assert conv.messages[1].state == "complete" and conv.messages[1].content.strip()
+    # The answer was written with the transcript in its context (fitted into the system prompt).
+    assert conv.context["transcript"]["parts_used"] >= 1 and "lazy dog" in conv.system.lower()
 
 
 def test_cancel_retry_remove_and_a_model_that_cannot_load(qtbot, app_home, speech):  # noqa: F811
