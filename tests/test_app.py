@@ -61,3 +61,17 @@ def test_help_and_a_scripted_check_start_that_transcribes_offline(speech, tmp_pa
     missing = subprocess.run([sys.executable, "-m", "app.main", "--check", str(tmp_path / "gone.wav")], cwd=ROOT,
                              env=env, capture_output=True, text=True, timeout=300)
     assert missing.returncode == 1 and "gone.wav does not exist" in missing.stdout
+
+
+def test_cadence_gui_queues_the_files_it_is_given(speech, tmp_path):
+    """`cadence gui FILE` starts the window as `cadence-gui FILE` does, with FILE queued: run through the
+    command's scripted start, the file is transcribed and its text printed."""
+    import os
+
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "CADENCE_DATA_DIR": str(tmp_path / "data"),
+           "XDG_CONFIG_HOME": str(tmp_path / "config"), "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-m", "app.cli", "gui", "--check", str(speech["fox"])], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    [line] = [line for line in run.stdout.splitlines() if line.startswith(f"{speech['fox']}: ")]
+    assert "lazy dog" in line.lower()

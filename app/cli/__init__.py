@@ -37,9 +37,10 @@ def cmd_models(args) -> int:
 
 # ---------------------------------------------------------------- gui
 def cmd_gui(args) -> int:
+    """``cadence gui [--check] [FILE ...]``: the same start as ``cadence-gui``, files queued at once."""
     from app.main import main as gui_main
 
-    return gui_main([])
+    return gui_main([*(["--check"] if args.check else []), *args.files])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(p, BACKENDS)
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("gui", help="open the desktop app")
+    p = sub.add_parser("gui", help="open the desktop app; audio or video files named are queued for transcription")
+    p.add_argument("files", nargs="*", metavar="FILE")
+    p.add_argument("--check", action="store_true",
+                   help="start the window, list the models usable offline, transcribe the FILEs and print their text, "
+                        "then quit (exit status 0 when all went well; QT_QPA_PLATFORM=offscreen where there is no display)")
     p.set_defaults(func=cmd_gui)
 
     from app.cli.train import add_parser as add_train_parser
