@@ -3,13 +3,18 @@
 Why one HTML document in the chat's ``QTextBrowser`` rather than a widget per block: Qt's rich text
 already draws everything an answer needs (headings, lists, tables, monospace blocks, coloured spans,
 links), one document scrolls and selects across messages like a page, and a long chat stays one
-widget instead of hundreds. The cost is re-reading the HTML on each redraw while an answer streams;
-measured offscreen on this project's CPU, a long answer (8.6 KB of Markdown with 24 code blocks)
-renders and lays out in about 30 ms, a typical one in a few, and the chat view redraws at most
-~12 times a second (less when a redraw is slow), so the window stays responsive. Widgets per block
-would draw only the changed block, but need their own sizing and scrolling, and lose selection
-across blocks. Two choices keep the document cheap: a message is a plain block (an outer table
-around every message doubled the layout time), and finished messages and code colouring are cached.
+widget instead of hundreds with their own sizing. The cost is reading the HTML again on each redraw
+while an answer streams, about half parsing and half layout, growing with the answer:
+``bench/chat_render.py`` measured 9-16 ms for 500 characters, 25-65 ms for 2 KB and 85-130 ms for
+8 KB of Markdown with a table and a code block every 500 characters (on the project's 2 shared CPU
+cores, busy with other work). So the chat view redraws at most ~12 times a second and, when a redraw
+is slow, waits long enough that drawing takes at most a quarter of the window's time: a long answer
+is redrawn less often, and the window still answers keys and clicks between redraws. Appending only
+the changed blocks to the document (``QTextCursor.insertHtml``) was tried and rejected: Qt merges an
+inserted fragment's first block into the current one and drops its margins, so the text drawn while
+streaming was not the text drawn once done. Two choices keep the document cheap: a message is
+plain blocks (a table around every message more than doubled the time), and finished messages and
+coloured code blocks are cached.
 
 Markdown is parsed as CommonMark plus tables and strikethrough, with single line breaks kept (as the
 model wrote them). Raw HTML in an answer is shown as text, never interpreted, and images are shown

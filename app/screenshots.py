@@ -2,7 +2,9 @@
 
 It uses a fresh data folder and settings file of its own (your data is not touched), speaks a few
 sentences with espeak-ng, drops them on the queue, chats, and photographs each view while the
-engine works. Usage: ``python -m app.screenshots [OUTPUT_FOLDER]`` (default docs/screenshots).
+engine works. Usage: ``python -m app.screenshots [OUTPUT_FOLDER [NAME ...]]`` (default
+docs/screenshots; NAMEs: only those pictures, of transcribe, chats, chat-markdown, engine, settings,
+record).
 """
 
 from __future__ import annotations
@@ -37,8 +39,19 @@ def speak(folder: Path) -> list[Path]:
     return [*out, long]
 
 
+# The Markdown picture: real answers of the chat model, one a table and one with code blocks (greedy, so
+# the same each time; cut short at the length limit, since this small model repeats itself).
+MARKDOWN_CHAT = [("Make a table with three planets and their sizes.", 36),
+                 ("Show a Python function that adds two numbers and a bash command that runs it. Use code blocks.", 90)]
+SHOTS = ("transcribe", "chats", "chat-markdown", "engine", "settings", "record")
+
+
 def main(argv: list[str]) -> int:
     target = Path(argv[0] if argv else "docs/screenshots").resolve()
+    wanted = set(argv[1:]) or set(SHOTS)
+    if wanted - set(SHOTS):
+        print(f"unknown picture(s): {', '.join(sorted(wanted - set(SHOTS)))}; choose from {', '.join(SHOTS)}")
+        return 2
     target.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="cadence-screenshots-"))
     os.environ["CADENCE_DATA_DIR"] = str(home / "data")
@@ -73,63 +86,90 @@ def main(argv: list[str]) -> int:
     window.resize(1280, 800)
     window.show()
     pump(0.5)
-    files = speak(home)
+    chats = window.chats
     try:
         # Transcribe: a batch dropped on the queue; a long file mid-way, open in the viewer, its finished
         # windows' text already there while the others decode.
-        window.bridge.add_paths(files[:3])
-        pump(until=lambda: not window.bridge.transcribing)
-        [meeting, _] = window.bridge.add_paths([files[3], home / "missing-recording.wav"])
-
-        def part_done() -> bool:
-            live = window.bridge.live_jobs.get(meeting)
-            return live is not None and 0 < live.done < live.total and any(live.texts.values())
-
-        pump(until=part_done, limit=120)
-        window.open_transcript(meeting)
-        window.queue.select_job(meeting)
-        shot("transcribe")
-        pump(until=lambda: not window.bridge.transcribing)
+        if "transcribe" in wanted:
+            transcribe_shot(window, speak(home), pump, shot)
 
         # Chats: two conversations answered at once; one open.
-        chats = window.chats
-        window.tabs.setCurrentWidget(chats)
-        prompts = ["What should a good meeting agenda contain?", "Give me three tips for writing clear emails."]
-        for prompt in prompts:
+        if "chats" in wanted:
+            window.tabs.setCurrentWidget(chats)
+            prompts = ["What should a good meeting agenda contain?", "Give me three tips for writing clear emails."]
+            for prompt in prompts:
+                chats.new_chat()
+                chats.apply_settings(params=SamplingParams(max_tokens=120))
+                chats.send(prompt)
+            pump(until=lambda: not window.bridge.live_replies)
+            chats.open(chats.list.item(1).data(0x0100))
+            shot("chats")
+
+        # An answer drawn as Markdown: a table, code blocks coloured, each with its Copy.
+        if "chat-markdown" in wanted:
+            window.tabs.setCurrentWidget(chats)
             chats.new_chat()
-            chats.apply_settings(params=SamplingParams(max_tokens=120))
-            chats.send(prompt)
-        pump(until=lambda: not window.bridge.live_replies)
-        chats.open(chats.list.item(1).data(0x0100))
-        shot("chats")
+            for prompt, tokens in MARKDOWN_CHAT:
+                chats.apply_settings(params=SamplingParams(max_tokens=tokens))
+                chats.send(prompt)
+                pump(until=lambda: not window.bridge.live_replies, limit=900)
+            pump(0.5)
+            chats.view.verticalScrollBar().setValue(0)
+            shot("chat-markdown")
 
         # Engine: eight answers decoding at once, the panel live.
-        window.tabs.setCurrentWidget(window.engine_panel)
-        topics = ["a lighthouse", "the sea", "a city at night", "autumn", "a train journey", "the moon", "a garden",
-                  "a mountain"]
-        for topic in topics:
-            chats.new_chat()
-            chats.apply_settings(params=SamplingParams(max_tokens=400))
-            if not chats.send(f"Write a long story about {topic}."):
-                print(f"could not start a chat: {chats.error.text()}")
+        if "engine" in wanted:
+            engine_shot(window, settings, pump, shot)
 
-        def busy_slots() -> int:
-            lane = (window.bridge.last_status.get("lanes") or {}).get(settings.chat_model) or {}
-            return sum(1 for slot in lane.get("slots") or [] if slot)
-
-        pump(until=lambda: busy_slots() >= 8, limit=60)
-        pump(4.0)
-        shot("engine")
-        pump(until=lambda: not window.bridge.live_replies)
-
-        window.tabs.setCurrentWidget(window.settings_panel)
-        shot("settings")
-        window.tabs.setCurrentWidget(window.recording)
-        shot("record")
+        if "settings" in wanted:
+            window.tabs.setCurrentWidget(window.settings_panel)
+            shot("settings")
+        if "record" in wanted:
+            window.tabs.setCurrentWidget(window.recording)
+            shot("record")
     finally:
         window.close()
         shutil.rmtree(home, ignore_errors=True)
     return 0
+
+
+def transcribe_shot(window, files, pump, shot) -> None:
+    window.bridge.add_paths(files[:3])
+    pump(until=lambda: not window.bridge.transcribing)
+    [meeting, _] = window.bridge.add_paths([files[3], files[3].parent / "missing-recording.wav"])
+
+    def part_done() -> bool:
+        live = window.bridge.live_jobs.get(meeting)
+        return live is not None and 0 < live.done < live.total and any(live.texts.values())
+
+    pump(until=part_done, limit=120)
+    window.open_transcript(meeting)
+    window.queue.select_job(meeting)
+    shot("transcribe")
+    pump(until=lambda: not window.bridge.transcribing)
+
+
+def engine_shot(window, settings, pump, shot) -> None:
+    from engine.sampling import SamplingParams
+
+    chats = window.chats
+    window.tabs.setCurrentWidget(window.engine_panel)
+    topics = ["a lighthouse", "the sea", "a city at night", "autumn", "a train journey", "the moon", "a garden",
+              "a mountain"]
+    for topic in topics:
+        chats.new_chat()
+        chats.apply_settings(params=SamplingParams(max_tokens=400))
+        if not chats.send(f"Write a long story about {topic}."):
+            print(f"could not start a chat: {chats.error.text()}")
+
+    def busy_slots() -> int:
+        lane = (window.bridge.last_status.get("lanes") or {}).get(settings.chat_model) or {}
+        return sum(1 for slot in lane.get("slots") or [] if slot)
+
+    pump(until=lambda: busy_slots() >= 8, limit=60)
+    pump(4.0)
+    shot("engine")
+    pump(until=lambda: not window.bridge.live_replies)
 
 
 if __name__ == "__main__":

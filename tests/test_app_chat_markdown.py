@@ -17,6 +17,7 @@ SHELL = "cadence transcribe talk.wav --format srt\ncadence gui talk.wav\n"
 ANSWER = f"""## Two ways to run it
 
 Use `cadence` from a terminal, or read the [guide](https://example.com/guide).
+Raw <i>html</i> and ![a diagram](diagram.png) stay text.
 
 | Way | Speed | Needs |
 |:----|------:|-------|
@@ -133,7 +134,10 @@ def test_a_streamed_markdown_answer_draws_tables_and_code_blocks_with_copy(qtbot
             seen.add("link")
         if text == "cadence" and QFontInfo(f.font()).fixedPitch():
             seen.add("inline code")
-    assert seen == {"heading", "list", "link", "inline code"}
+        if f.anchorHref() == "diagram.png" and text == "[a diagram]":
+            seen.add("image as a link")  # never loaded
+    assert seen == {"heading", "list", "link", "inline code", "image as a link"}
+    assert "Raw <i>html</i> and [a diagram] stay text." in chats.view.toPlainText()  # raw HTML is not interpreted
     assert "```" not in chats.view.toPlainText() and "|" not in chats.view.toPlainText()
 
     # Each code block's Copy copies that block's code; the message's Copy its Markdown source.
