@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QRect, Qt, QTimer, QUrl, Signal
+from PySide6.QtCore import QItemSelectionModel, QRect, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (
     QAbstractItemView,
@@ -289,9 +289,13 @@ class QueueView(QWidget):
         return [self.table.item(r, FILE).data(Qt.UserRole) for r in rows if self.table.item(r, FILE)]
 
     def select_job(self, job_id: int) -> None:
+        """Select that job's row alone. (QTableWidget.selectRow follows the keyboard's modifiers, so with
+        Ctrl down, or left down by a synthetic key press, it toggled the row instead of selecting it.)"""
         row = self.rows.get(job_id)
         if row is not None:
-            self.table.selectRow(row)
+            flags = QItemSelectionModel.SelectionFlag
+            self.table.selectionModel().setCurrentIndex(self.table.model().index(row, 0),
+                                                        flags.ClearAndSelect | flags.Rows)
 
     def _for_selected(self, action) -> None:
         for job_id in self.selected_jobs():

@@ -119,7 +119,7 @@ def test_cancel_retry_remove_and_a_model_that_cannot_load(qtbot, app_home, speec
     assert _row_of(window, "long.wav")[STATE] == "Cancelled"
 
     window.queue.select_job(job_id)
-    assert window.queue.retry_button.isEnabled()
+    assert window.queue.retry_button.isEnabled(), (window.queue.selected_jobs(), job_id, window.bridge.jobs.get(job_id).state)
     window.queue.retry_button.click()
     wait_jobs_settled(qtbot, window)
     job = window.bridge.jobs.get(job_id)
