@@ -22,6 +22,8 @@ On other backends (CUDA, MPS) ``F.linear`` in the chosen dtype is already the ri
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -156,9 +158,7 @@ class Linear:
         if invariant:
             key = (precision, self.in_features, self.out_features, self.dtype, str(self.device),
                    self.q is not None, self.packed is not None, self.bias is not None)
-            if key not in _ROW_RULES:
-                _ROW_RULES[key] = row_rule(self._raw, self.in_features, self.dtype, self.device)
-            self.rows_rule = _ROW_RULES[key]
+            self.rows_rule = known_row_rule(key, lambda: row_rule(self._raw, self.in_features, self.dtype, self.device))
 
     @property
     def nbytes(self) -> int:
@@ -195,6 +195,46 @@ class Linear:
         return self._raw(torch.cat([rows, rows.new_zeros(pad - n, self.in_features)]))[:n]
 
 _ROW_RULES: dict[tuple, tuple[int, int]] = {}
+ROW_RULES_VERSION = 1  # bump when row_rule's probe changes
+
+
+def _row_rules_file():
+    """The rules measured on this machine (processor, threads, PyTorch), kept across runs: probing one
+    layer shape takes a second or more, and every start of the command line would pay it again."""
+    from engine.calibration import device_identity
+    from engine.paths import cache_dir
+
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in device_identity("cpu"))
+    return cache_dir() / "kernels" / f"rows-v{ROW_RULES_VERSION}-torch{torch.__version__}-{safe}.json"
+
+
+def known_row_rule(key: tuple, measure) -> tuple[int, int]:
+    """The row rule for the kernel ``key`` names: from memory, else from this machine's file (CPU
+    kernels only: a GPU's blocking is probed each run), else ``measure()``d and recorded there."""
+    import json
+
+    if key in _ROW_RULES:
+        return _ROW_RULES[key]
+    on_cpu = key[4] == "cpu"
+    name = "|".join(map(str, key))
+    path = _row_rules_file() if on_cpu else None
+    recorded: dict = {}
+    if path is not None and path.is_file():
+        try:
+            recorded = json.loads(path.read_text())
+        except ValueError:
+            recorded = {}  # a damaged file is measured again
+    rule = recorded.get(name)
+    if not (isinstance(rule, list) and len(rule) == 2 and all(isinstance(v, int) and v > 0 for v in rule)):
+        rule = list(measure())
+        if path is not None:
+            recorded[name] = rule
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+            partial.write_text(json.dumps(recorded, indent=1, sort_keys=True))
+            os.replace(partial, path)  # whole files only, even with two processes measuring at once
+    _ROW_RULES[key] = (rule[0], rule[1])
+    return _ROW_RULES[key]
 RULE_ROWS = (1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 33, 48, 64, 65, 96, 128)  # row counts the probe tries
 RULE_CANDIDATES = ((1, 1 << 30), (2, 1 << 30), (1, 64), (2, 64), (1, 32), (2, 32), (1, 16), (2, 16), (2, 8),
                    (1, 1))  # cheapest first; one row per call always holds

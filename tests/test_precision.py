@@ -32,6 +32,30 @@ def test_every_kernel_gives_a_row_the_same_result_whatever_shares_its_call(preci
             assert torch.equal(layer(x[:rows]), alone[:rows]), (precision, in_features, rows)
 
 
+def test_row_rules_are_measured_once_per_machine_and_kept_across_runs(monkeypatch, tmp_path):
+    import engine.kernels as kernels
+
+    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_ROW_RULES", {})
+    key = ("float32", 7, 5, torch.float32, "cpu", False, False, False)
+    measured = []
+    assert kernels.known_row_rule(key, lambda: measured.append(1) or (2, 64)) == (2, 64)
+    [recorded] = (tmp_path / "kernels").glob("rows-*.json")
+    assert list(json.loads(recorded.read_text()).values()) == [[2, 64]]
+
+    monkeypatch.setattr(kernels, "_ROW_RULES", {})  # a new run: the file answers, nothing is measured
+    assert kernels.known_row_rule(key, lambda: pytest.fail("measured again")) == (2, 64)
+    # A layer built afterwards probes its own shape once and keeps the file's other rules.
+    layer = Linear(torch.randn(9, 11), None, "float32")
+    assert len(json.loads(recorded.read_text())) == 2 and layer.rows_rule[0] >= 1
+
+    recorded.write_text("{not json")  # a damaged file is measured again and rewritten whole
+    monkeypatch.setattr(kernels, "_ROW_RULES", {})
+    assert kernels.known_row_rule(key, lambda: (1, 32)) == (1, 32)
+    assert json.loads(recorded.read_text()) == {"|".join(map(str, key)): [1, 32]}
+    assert measured == [1]
+
+
 def _answers(engine, params) -> list[list[int]]:
     handles = [engine.submit(ChatRequest(p, params=params)) for p in PROMPTS]
     return [h.result(600).tokens for h in handles]
