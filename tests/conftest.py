@@ -13,6 +13,9 @@ import pytest
 # Keep the user's own cache and data out of the suite: every run converts the models once, in a
 # cache of its own, which also exercises the cold path.
 _SESSION_ROOT = Path(tempfile.mkdtemp(prefix="cadence-tests-"))
+if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker of `make test`: its own folders, not the controller's
+    os.environ["CADENCE_CACHE_DIR"] = str(_SESSION_ROOT / "cache")
+    os.environ["CADENCE_DATA_DIR"] = str(_SESSION_ROOT / "data")
 os.environ.setdefault("CADENCE_CACHE_DIR", str(_SESSION_ROOT / "cache"))
 os.environ.setdefault("CADENCE_DATA_DIR", str(_SESSION_ROOT / "data"))
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -20,6 +23,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite's yardstick is float32: the exactness tests against transformers and faster-whisper run in it,
 # and so does every engine a test does not give a precision (tests/test_precision.py covers the others).
 os.environ.setdefault("CADENCE_PRECISION", "float32")
+# `make test` runs the files on as many workers as the machine has cores (pytest-xdist): each worker,
+# and each command-line process a test starts, then computes on its share of the cores, not on all.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _THREADS = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[_name] = _THREADS
 
 from transformers.utils import logging as hf_logging  # noqa: E402
 
