@@ -66,6 +66,24 @@ def parse_precision(value) -> str:
     raise RequestError(f"Precision must be auto, {', '.join(PRECISIONS)} (got '{value}').")
 
 
+
+CONTEXT_ENV = "CADENCE_CONTEXT"  # auto | N: positions per chat slot, when no context is given
+MIN_CONTEXT = 64
+
+
+def parse_context(value) -> str | int:
+    """'auto' (the model's context, bounded by memory) or a number of positions per slot (at least 64)."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise CadenceError(f"Context must be auto or a whole number of tokens (got '{value}').") from None
+    if n < MIN_CONTEXT:
+        raise CadenceError(f"Context must be at least {MIN_CONTEXT} tokens (got {n}).")
+    return n
+
 # ---------------------------------------------------------------------------- requests
 @dataclass
 class ChatRequest:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from engine.paths import cache_dir
-from engine.seam import BatchedDecoder, StepBatch
+from engine.seam import ATTENTION_BLOCK, MIN_SLOT_LENGTH, BatchedDecoder, StepBatch
 
 CALIBRATION_VERSION = 2  # 2: each width also timed with 2 rows per slot
 WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -86,6 +86,28 @@ def device_memory(device: torch.device | str) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 8 * 2**30
+
+
+def slot_length(decoder: BatchedDecoder, width: int, asked: int | None = None) -> tuple[int, str]:
+    """Positions per slot for a lane of ``width`` slots, and where that comes from: the model's own
+    context (or ``asked``, if less), as far as ``width`` slots of it fit in the lane's memory share
+    (MEMORY_SHARE of the device's memory), but never below MIN_SLOT_LENGTH (nor above the model's).
+    The width is chosen first (for speed, with each slot at MIN_SLOT_LENGTH, see :func:`calibrate`),
+    then each slot gets what the memory left allows: on a machine with room, the model's whole context."""
+    limit = decoder.context_limit
+    wanted = min(limit, asked) if asked else limit
+    per_slot = int(device_memory(decoder.device) * MEMORY_SHARE) // max(width, 1)
+    fixed = decoder.slot_bytes_at(0)  # what a slot holds whatever its length (Whisper's encoder memory)
+    per_block = max(decoder.slot_bytes_at(ATTENTION_BLOCK) - fixed, 1)
+    fits = max(per_slot - fixed, 0) // per_block * ATTENTION_BLOCK
+    if wanted <= fits:
+        return wanted, "asked" if asked and asked < limit else "the model"
+    floor = min(wanted, MIN_SLOT_LENGTH)
+    return max(fits, floor), f"memory: {width} slots in {MEMORY_SHARE:.0%} of {_gib(device_memory(decoder.device))}"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
 
 
 def choose_width(widths: list[int], step_ms: list[float], limit: int | None = None) -> int:

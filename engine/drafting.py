@@ -209,8 +209,10 @@ class DraftModelDrafter(Drafter):
         fed = [s.draft_state.get("draft_fed", 0) for s in seqs]
         rows = [c[f:] for c, f in zip(context, fed)]
         drafts: list[list[int]] = [[] for _ in seqs]
-        live = list(range(len(seqs)))
-        for level in range(max(depths)):
+        # no drafts past the draft model's own slot length (it may hold fewer positions than the model)
+        depths = [min(d, self.decoder.max_len - len(c) - 1) for d, c in zip(depths, context)]
+        live = fed_now = [i for i in range(len(seqs)) if depths[i] > 0]
+        for level in range(max(depths, default=0)):
             batch = StepBatch.build([seqs[i].slot for i in live], [rows[i] for i in live], [fed[i] for i in live],
                                     device=self.decoder.device)
             logits = self.decoder.forward(batch, batch.last_rows())
@@ -225,8 +227,8 @@ class DraftModelDrafter(Drafter):
             live = nxt
             if not live:
                 break
-        for s, c in zip(seqs, context):
-            s.draft_state["draft_fed"] = len(c)  # the context is cached; the drafts after it are not trusted
+        for i in fed_now:  # their context is cached now; the drafts after it are not trusted
+            seqs[i].draft_state["draft_fed"] = len(context[i])
         return drafts
 
 
@@ -259,7 +261,7 @@ def build_drafter(choice: str, model: str, loaded, decoder, device, width: int, 
     if choice == "ngram":
         return NgramDrafter(), "on"
     name = choice.split(":", 1)[1]
-    from engine.families.llama import LlamaBatched
+    from engine.families import decoder_class
     from engine.loading import load
 
     if decoder.family != "chat":
@@ -272,8 +274,12 @@ def build_drafter(choice: str, model: str, loaded, decoder, device, width: int, 
     if not same_tokenizer(draft.tokenizer, loaded.tokenizer):
         raise CadenceError(f"The draft model {name} uses a different tokenizer from {model}; "
                            f"pick a smaller model of the same family.")
-    draft_decoder = LlamaBatched(draft, precision=decoder.precision)
-    draft_decoder.allocate(width, decoder.max_len)
+    try:
+        draft_decoder = decoder_class(draft)(draft, precision=decoder.precision)
+    except CadenceError as exc:
+        raise CadenceError(f"The draft model {name} cannot draft for {model}: {exc}") from None
+    draft_decoder.max_len = min(draft_decoder.context_limit, decoder.max_len)
+    draft_decoder.allocate(width)
     return DraftModelDrafter(name, draft_decoder), "on"
 
 

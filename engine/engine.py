@@ -18,7 +18,17 @@ from typing import Callable
 
 import torch
 
-from engine.api import BATCH_ENV, PRECISION_ENV, ChatRequest, Handle, TranscribeRequest, parse_batch, parse_precision
+from engine.api import (
+    BATCH_ENV,
+    CONTEXT_ENV,
+    PRECISION_ENV,
+    ChatRequest,
+    Handle,
+    TranscribeRequest,
+    parse_batch,
+    parse_context,
+    parse_precision,
+)
 from engine.errors import CadenceError, record_fault
 from engine.models import CHAT, WHISPER
 
@@ -40,13 +50,15 @@ class Engine:
 
     def __init__(self, backend: str = "auto", batch: str | int | None = None, step_log: str | Path | None = None,
                  drafter: str | None = None, draft_depth: int | None = None, draft_min_p: float = 0.0,
-                 precision: str | None = None):
+                 precision: str | None = None, context: str | int | None = None):
         """``drafter``: 'auto' (the model's MTP head when one is shipped, else n-gram), 'mtp',
         'ngram', 'draft:MODEL' or 'off'; None reads CADENCE_DRAFTER, else 'auto'. ``draft_depth``
         fixes the drafts per slot and step (else chosen per slot, per step); ``draft_min_p`` skips
         MTP drafts the head gives less than that probability. ``precision``: 'auto' (measured per
         model and machine, see engine.precision), 'float32', 'bfloat16' or 'int8'; None reads
-        CADENCE_PRECISION, else 'auto'. A precision this machine lacks is refused here."""
+        CADENCE_PRECISION, else 'auto'. A precision this machine lacks is refused here. ``context``:
+        positions per slot: 'auto' (the model's own context, as far as the lane's memory share allows
+        at its width) or a number (at most the model's); None reads CADENCE_CONTEXT, else 'auto'."""
         from engine.backend import resolve_backend
         from engine.drafting import DRAFTER_ENV, MAX_DEPTH, parse_drafter
         from engine.kernels import check_precision
@@ -63,6 +75,7 @@ class Engine:
                 (BATCH_ENV if os.environ.get(BATCH_ENV) else "default")
         else:
             self.batch, self.batch_source = parse_batch(batch), "argument"
+        self.context = parse_context(context if context is not None else os.environ.get(CONTEXT_ENV) or "auto")
         self.drafter = parse_drafter(drafter if drafter is not None else os.environ.get(DRAFTER_ENV, "auto"))
         if draft_depth is not None and (not isinstance(draft_depth, int) or not 0 <= draft_depth <= MAX_DEPTH):
             raise CadenceError(f"Draft depth must be a whole number from 0 to {MAX_DEPTH} (got {draft_depth}).")
@@ -76,6 +89,7 @@ class Engine:
         self._lanes: dict[str, object] = {}
         self._calibrations: dict[str, object] = {}
         self._precisions: dict[str, tuple[str, object]] = {}  # model -> (precision, auto's PrecisionChoice or None)
+        self._contexts: dict[str, str] = {}  # model -> where its slot length comes from
         self._work: dict[int, list] = {}  # handle id -> its sequences
         # Audio files are read and planned on a thread of their own, so no slot waits for a file to decode.
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadence-audio")
@@ -135,13 +149,14 @@ class Engine:
             from engine.scheduler import Lane
 
             loaded = load(model, family=family, device=self.device)
+            from engine.families import decoder_class
+
+            Decoder = decoder_class(loaded)  # one sentence for an architecture no family runs
             if loaded.family == CHAT:
                 from engine.chat.reference import ChatReference
-                from engine.families.llama import LlamaBatched as Decoder
 
                 reference = ChatReference(loaded)
             else:
-                from engine.families.whisper import WhisperBatched as Decoder
                 from engine.whisper.reference import WhisperReference
 
                 reference = WhisperReference(loaded)
@@ -154,7 +169,10 @@ class Engine:
                 precision = choice.chosen
             self._precisions[model] = (precision, choice)
             decoder = Decoder(loaded, precision=precision)
-            from engine.calibration import calibrate
+            asked = self.context if isinstance(self.context, int) and loaded.family == CHAT else None
+            if asked:  # the width's memory bound is reckoned at the length asked for
+                decoder.max_len = min(decoder.context_limit, asked)
+            from engine.calibration import calibrate, slot_length
 
             calibration = None
             if self.batch == "auto" or self.drafter != "off":  # drafting needs the step-time curve too
@@ -165,6 +183,7 @@ class Engine:
                 width = calibration.chosen
             else:
                 width = 1 if self.batch == "off" else self.batch
+            decoder.max_len, self._contexts[model] = slot_length(decoder, width, asked)
             drafter, planner, state = self._drafter(model, loaded, decoder, width, calibration)
             decoder.allocate(width)
             self._references[model] = reference
@@ -198,12 +217,16 @@ class Engine:
             calibration = self._calibrations.get(model)
             lanes[model] = {
                 "family": lane.decoder.family,
+                "architecture": lane.decoder.architecture,
                 "width": lane.width,
                 "width_from": "calibration" if self.batch == "auto" else ("batch off" if self.batch == "off"
                                                                           else self.batch_source),
                 **self._precision_status(model),
                 "calibration": calibration.to_json() if calibration else None,
                 "cache_bytes": lane.decoder.cache_bytes,
+                "context": lane.decoder.max_len,  # positions per slot: prompt and answer together
+                "context_limit": lane.decoder.context_limit,  # what the model itself handles
+                "context_from": self._contexts.get(model, "the model"),
                 "counters": lane.counters.to_json(),
                 "slots": [None if s is None else {"request": getattr(s.handle, "id", None), "window": s.index,
                                                   "tokens": len(s.tokens), "context": s.fed,
@@ -218,7 +241,7 @@ class Engine:
             }
         return {"backend": self.device, "backend_name": describe_backend(self.device), "batch": self.batch,
                 "batch_from": self.batch_source, "drafter": self.drafter, "precision": self.precision,
-                "lanes": lanes}
+                "context": self.context, "lanes": lanes}
 
     def _precision_status(self, model: str) -> dict:
         precision, choice = self._precisions.get(model, (self.precision, None))

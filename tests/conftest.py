@@ -99,10 +99,11 @@ def smollm():
 
 @pytest.fixture(scope="session")
 def engine4():
-    """A running engine with 4 slots per lane, shared by the suite (models load once)."""
+    """A running engine with 4 slots per lane, shared by the suite (models load once). Its chat slots
+    hold 2048 tokens (smollm2's own context is 8192), so the tests that overflow a slot stay short."""
     from engine import Engine
 
-    eng = Engine(backend="cpu", batch=4, precision="float32")
+    eng = Engine(backend="cpu", batch=4, precision="float32", context=2048)
     yield eng
     eng.shutdown()
 

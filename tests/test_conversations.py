@@ -42,7 +42,7 @@ PROMPTS = [
     "Describe a cat in one sentence.",
 ]
 FILLER = "The quick brown fox jumps over the lazy dog near the quiet river bank. "
-SLOT = 2048  # smollm2's slot length in the engine
+SLOT = 2048  # smollm2's slot length in engine4 (tests/conftest.py)
 
 
 @pytest.fixture

@@ -32,6 +32,9 @@ def cmd_models(args) -> int:
         print(f"{r['name']:<24} {r['family']:<8} available: {mark}  {r['source']}{default}")
         if not r["available"]:
             print(f"{'':<24} {r['detail']}")
+    from engine.models import supported_chat_architectures
+
+    print(f"\nAny local chat model (folder or GGUF file) of these architectures runs: {supported_chat_architectures()}.")
     return 0
 
 

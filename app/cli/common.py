@@ -142,12 +142,15 @@ def add_engine_flags(p: argparse.ArgumentParser, backends) -> None:
                    help="weights and arithmetic: auto (the fastest this machine runs within quality bounds, measured "
                         "once per model), float32 (the reference), bfloat16 (where the processor has bfloat16 "
                         "instructions) or int8 (weight-only) (default: $CADENCE_PRECISION, else auto)")
+    p.add_argument("--context", default=None, metavar="auto|N",
+                   help="tokens per chat slot (prompt and answer): auto (the model's context, as far as memory "
+                        "allows at the batch width) or at most N (default: $CADENCE_CONTEXT, else auto)")
 
 
 def engine_options(args) -> dict:
-    """The engine's drafting and precision arguments from the command line (the precision's spelling
-    checked here, before anything loads)."""
-    from engine.api import parse_precision
+    """The engine's drafting, precision and context arguments from the command line (the precision's
+    and context's spelling checked here, before anything loads)."""
+    from engine.api import parse_context, parse_precision
 
     precision = None
     if args.precision is not None:
@@ -155,5 +158,11 @@ def engine_options(args) -> dict:
             precision = parse_precision(args.precision)
         except CadenceError as exc:
             raise CadenceError(f"--precision: {exc}") from None
+    context = None
+    if args.context is not None:
+        try:
+            context = parse_context(args.context)
+        except CadenceError as exc:
+            raise CadenceError(f"--context: {exc}") from None
     return {"drafter": args.drafter, "draft_depth": args.draft_depth, "draft_min_p": args.draft_min_p,
-            "precision": precision}
+            "precision": precision, "context": context}

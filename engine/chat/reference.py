@@ -37,7 +37,13 @@ class ChatReference:
         if self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
         self.stop_ids = set(eos)
-        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        from engine.families.rope import SINGLE, context_limit, longrope_switch
+
+        self.context_length = context_limit(self.model.config)  # YaRN may extend it past max_position_embeddings
+
+        # longrope (Phi-3.5, Phi-4-mini): past the original context transformers' generate recomputes the
+        # whole history with the long factors, once; so does this decoder (see engine/families/rope.py)
+        self.longrope_switch = longrope_switch(self.model.config, [SINGLE], 1 << 30)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         for m in messages:
@@ -83,7 +89,10 @@ class ChatReference:
                 break
             if len(tokens) == max_new:
                 break
-            out = self.model(input_ids=torch.tensor([[token]], device=self.device), cache=cache, use_cache=True)
+            if self.longrope_switch is not None and len(prompt_ids) + len(tokens) == self.longrope_switch + 1:
+                out = self.model(input_ids=torch.tensor([prompt_ids + tokens], device=self.device), use_cache=True)
+            else:
+                out = self.model(input_ids=torch.tensor([[token]], device=self.device), cache=cache, use_cache=True)
             cache, logits = out.cache, out.logits[0, -1]
         end = time.perf_counter()
         decode_s = (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0

@@ -51,6 +51,7 @@ def _norm_of(module: torch.nn.LayerNorm, dtype: torch.dtype) -> tuple[torch.Tens
 
 class WhisperBatched(BatchedDecoder):
     family = "whisper"
+    architecture = "whisper"
 
     def __init__(self, loaded: LoadedModel, width: int = 1, precision: str = "float32"):
         hf = loaded.model
@@ -86,7 +87,7 @@ class WhisperBatched(BatchedDecoder):
         self.d_model = cfg.d_model
         self.heads = cfg.decoder_attention_heads
         self.head_dim = cfg.d_model // self.heads
-        self.max_len = cfg.max_target_positions
+        self.max_len = self.context_limit = cfg.max_target_positions
         self.eps = decoder.layer_norm.eps
         self.positions = decoder.embed_positions.weight.detach().to(dtype)
         self.layers = []
@@ -128,10 +129,9 @@ class WhisperBatched(BatchedDecoder):
     def cache_bytes(self) -> int:
         return self.cache.nbytes + 2 * self.cross_k.numel() * self.cross_k.element_size()
 
-    @property
-    def slot_bytes(self) -> int:
+    def slot_bytes_at(self, length: int) -> int:
         per_position = 2 * len(self.layers) * self.heads * self.head_dim * self.cross_k.element_size()
-        return per_position * (round_up(self.max_len) + round_up(self.memory_len))
+        return per_position * (round_up(length) + round_up(self.memory_len))
 
     def _norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return F.layer_norm(x, (self.d_model,), norm[0], norm[1], self.eps)
