@@ -63,6 +63,8 @@ def make_engine(choice: EngineChoice) -> Engine:
         kwargs["draft_depth"] = choice.draft_depth
     if "precision" in accepted and choice.precision != "auto":
         kwargs["precision"] = choice.precision  # 'auto' is left to the engine, so CADENCE_PRECISION still applies
+    if "context" in accepted and choice.context != "auto":
+        kwargs["context"] = choice.context  # as precision: 'auto' leaves CADENCE_CONTEXT to the engine
     return Engine(**kwargs)
 
 

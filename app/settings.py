@@ -13,7 +13,7 @@ from pathlib import Path
 from PySide6.QtCore import QSettings
 
 from engine.formats import FORMATS
-from engine.api import PRECISIONS
+from engine.api import MIN_CONTEXT, PRECISIONS
 from engine.models import DEFAULT_CHAT, DEFAULT_WHISPER
 from engine.whisper.pipeline import WINDOWINGS
 
@@ -32,6 +32,7 @@ class EngineChoice:
     drafter: str  # auto | mtp | ngram | draft:MODEL | off
     draft_depth: int  # 0: the engine chooses
     precision: str = "auto"  # auto | float32 | bfloat16 | int8
+    context: str | int = "auto"  # tokens per chat slot: auto (the model's, as memory allows) or a number
 
 
 class Settings:
@@ -119,12 +120,25 @@ class Settings:
     def precision(self, value: str) -> None:
         self._set("engine/precision", value)
 
+    @property
+    def context(self) -> int:
+        """0: the model's own context, as far as memory allows (auto); else at most this many tokens per chat slot."""
+        try:
+            value = int(self._get("engine/context", 0))
+        except (TypeError, ValueError):
+            return 0
+        return value if value >= MIN_CONTEXT else 0
+
+    @context.setter
+    def context(self, value: int) -> None:
+        self._set("engine/context", int(value))
+
     def engine_choice(self) -> EngineChoice:
         batch: str | int = "off" if not self.batching else (self.max_width or "auto")
         drafter = self.drafter
         if drafter == "draft":
             drafter = f"draft:{self.draft_model}" if self.draft_model else "auto"
-        return EngineChoice(self.backend, batch, drafter, self.draft_depth, self.precision)
+        return EngineChoice(self.backend, batch, drafter, self.draft_depth, self.precision, self.context or "auto")
 
     # ------------------------------------------------------------------ models
     @property

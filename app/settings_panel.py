@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.backend import available_backends, describe_backend, resolve_backend
+from engine.api import MIN_CONTEXT
 from engine.kernels import precisions_on
 from engine import Engine
 from engine.formats import FORMATS
@@ -94,6 +95,12 @@ class SettingsPanel(QWidget):
         self.precision.setCurrentIndex(max(0, self.precision.findData(s.precision)))
         self.precision_note = QLabel()
         self.precision_note.setWordWrap(True)
+        self.context = QSpinBox(minimum=0, maximum=1 << 20, value=s.context, singleStep=1024)
+        self.context.setSpecialValueText("auto")
+        self.context.setToolTip("Tokens per chat slot, prompt and answer together. Auto: the model's own "
+                                "context, as far as memory allows at the lane's width.")
+        self.context_note = QLabel()  # each chat lane's slot length, its model's limit, and why
+        self.context_note.setWordWrap(True)
         engine_box = QGroupBox("Engine")
         ef = QFormLayout(engine_box)
         ef.addRow("Backend", self.backend)
@@ -107,6 +114,8 @@ class SettingsPanel(QWidget):
         ef.addRow("", self.draft_note)
         ef.addRow("Precision", self.precision)
         ef.addRow("", self.precision_note)
+        ef.addRow("Chat context (tokens per slot)", self.context)
+        ef.addRow("", self.context_note)
         self._drafter_changed()
 
         # models and outputs ---------------------------------------------------
@@ -203,6 +212,12 @@ class SettingsPanel(QWidget):
                            "quality bounds"
         if self.precision_note.text() != chosen:
             self.precision_note.setText(chosen)
+        contexts = "; ".join(f"{model}: {lane['context']} tokens per slot, the model handles {lane['context_limit']} "
+                             f"({lane.get('context_from', '?')})" for model, lane in (status.get("lanes") or {}).items()
+                             if lane.get("family") == "chat" and lane.get("context"))
+        contexts = contexts or "auto gives each chat slot the model's own context, as far as memory allows"
+        if self.context_note.text() != contexts:
+            self.context_note.setText(contexts)
 
     def apply(self) -> str:
         s = self.bridge.settings
@@ -214,6 +229,7 @@ class SettingsPanel(QWidget):
         s.draft_model = self.draft_model.text().strip()
         s.draft_depth = self.draft_depth.value()
         s.precision = self.precision.currentData()
+        s.context = self.context.value() if self.context.value() >= MIN_CONTEXT else 0
         s.transcription_model = self.transcription_model.currentText().strip()
         s.chat_model = self.chat_model.currentText().strip()
         s.language = self.language.text().strip()

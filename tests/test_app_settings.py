@@ -52,9 +52,13 @@ def test_settings_persist_and_apply_without_restart(qtbot, app_home, speech, tmp
     conversation_id = window.chats.new_chat()
     window.chats.apply_settings(params=short_params(60))
     assert window.chats.send("Tell me about the moon.")
+    # Each chat lane's slot length shows in Settings: on auto, the model's own context (memory allows it here).
+    qtbot.waitUntil(lambda: "smollm2-135m-instruct: 8192 tokens per slot, the model handles 8192 (the model)"
+                    in panel.context_note.text(), timeout=120000)
     panel.batching.setChecked(True)
     panel.max_width.setValue(3)
     panel.drafter.setCurrentIndex(panel.drafter.findData("ngram"))
+    panel.context.setValue(1024)
     note = panel.apply()
     assert "as soon as the current work finishes" in note
     busy_engine = window.bridge.engine
@@ -63,5 +67,6 @@ def test_settings_persist_and_apply_without_restart(qtbot, app_home, speech, tmp
     assert window.bridge.engine.status()["batch"] == 3
     assert window.bridge.engine.status().get("drafter", "ngram") == "ngram"
     assert app_home().drafter == "ngram" and app_home().max_width == 3
+    assert window.bridge.engine.status()["context"] == 1024 and app_home().context == 1024
     assert window.bridge.conversations.get(conversation_id).messages[-1].state == "complete"
     qtbot.waitUntil(lambda: "new settings" in panel.note.text(), timeout=5000)
