@@ -283,6 +283,8 @@ def test_chat_bad_input_is_one_sentence_and_stores_nothing(tmp_path, smollm):
         (["chat", "hi", "--batch", "0"], "--batch"),
         (["transcribe", "x.wav", "--batch", "abc"], "--batch"),
         (["chat", "hi", "--batch", "-1"], "--batch"),
+        (["chat", "hi", "--context", "10"], "--context: Context must be at least 64 tokens"),
+        (["transcribe", "x.wav", "--context", "long"], "--context"),
         (["chat"], "Give a PROMPT"),
         (["transcribe", "x.wav", "--json", "--format", "srt"], "--json"),
     ],

@@ -152,17 +152,14 @@ def engine_options(args) -> dict:
     and context's spelling checked here, before anything loads)."""
     from engine.api import parse_context, parse_precision
 
-    precision = None
-    if args.precision is not None:
+    def checked(flag: str, value, parse):
+        if value is None:
+            return None
         try:
-            precision = parse_precision(args.precision)
+            return parse(value)
         except CadenceError as exc:
-            raise CadenceError(f"--precision: {exc}") from None
-    context = None
-    if args.context is not None:
-        try:
-            context = parse_context(args.context)
-        except CadenceError as exc:
-            raise CadenceError(f"--context: {exc}") from None
+            raise CadenceError(f"{flag}: {exc}") from None
+
     return {"drafter": args.drafter, "draft_depth": args.draft_depth, "draft_min_p": args.draft_min_p,
-            "precision": precision, "context": context}
+            "precision": checked("--precision", args.precision, parse_precision),
+            "context": checked("--context", args.context, parse_context)}
