@@ -16,7 +16,8 @@ import numpy as np
 
 from engine.audio import SAMPLE_RATE, load_audio
 from engine.errors import CadenceError, RequestError
-from engine.transcript import Segment, Transcript
+from engine.transcript import Segment, Transcript, Word
+from engine.whisper.alignment import WordTiming, align_words, alignment_prompt, fit_phrase, median_word
 from engine.whisper.features import FRAMES_PER_SECOND, WINDOW_FRAMES, log_mel, pad_window, windows
 from engine.transcript import WindowResult
 from engine.whisper.reference import WhisperReference
@@ -48,6 +49,8 @@ class TranscriptionPlan:
     task: str = "transcribe"
     detect_window: np.ndarray | None = None  # the first 30 s, for language detection when none was given
     timestamps: bool = False  # the model times each phrase (segments of a few seconds), not one per window
+    words: bool = False  # each word timed from the alignment heads' cross-attention
+    speakers: str | int = "off"  # "auto", a number of speakers, or "off" (engine.speakers)
 
     def set_prompt(self, tok: WhisperTokenizer) -> None:
         """The decoder's prompt for the plan's language, task and timestamps."""
@@ -108,7 +111,7 @@ def plan_windows(features: np.ndarray, samples: np.ndarray, windowing: str) -> l
 
 def plan_transcription(decoder: WhisperReference, samples: np.ndarray, language: str | None = None,
                        task: str = "transcribe", name: str = "audio", detect: bool = True,
-                       windowing: str = "vad", timestamps: bool = False) -> TranscriptionPlan:
+                       windowing: str = "vad", timestamps: bool = False, words: bool = False) -> TranscriptionPlan:
     """Features, windows and silent windows of a clip. With ``detect`` False, an undetected language
     stays None (and the prompt empty) for :func:`detect_plan_language` to settle on the model's thread:
     everything else here is plain array work that any thread may do."""
@@ -124,7 +127,7 @@ def plan_transcription(decoder: WhisperReference, samples: np.ndarray, language:
     silent = {i for i, (seek, size, _) in enumerate(spans)
               if _rms(samples[seek * hop : (seek + size) * hop]) < SILENCE_RMS}
     plan = TranscriptionPlan(name, language, [], samples.size / SAMPLE_RATE, spans, started, silent, task,
-                             timestamps=timestamps)
+                             timestamps=timestamps, words=words)
     if language is not None:
         plan.set_prompt(tok)
         return plan
@@ -149,8 +152,10 @@ def read_plan(ref: WhisperReference, req) -> TranscriptionPlan:
     so decoding and resampling a file never holds up the slots decoding others."""
     name = str(req.audio) if not isinstance(req.audio, np.ndarray) else (req.name or "audio")
     samples = req.audio if isinstance(req.audio, np.ndarray) else load_audio(req.audio)
-    return plan_transcription(ref, samples, req.language, req.task, req.name or name, detect=False,
-                              windowing=req.windowing, timestamps=req.timestamps)
+    plan = plan_transcription(ref, samples, req.language, req.task, req.name or name, detect=False,
+                              windowing=req.windowing, timestamps=req.timestamps, words=req.words)
+    plan.speakers = req.speakers
+    return plan
 
 
 def steps_to_frames(steps: int) -> int:
@@ -187,6 +192,11 @@ class WindowDecoding:
     tokens: list[int]  # every part's tokens joined, on the window's clock
     parts: int = 1
     steps: int = 0  # where the last part started, in time steps from the window's start
+    words: list[WordTiming] | None = None  # with word timestamps: every part's words, on the window's clock
+
+    def add_words(self, words: list[WordTiming]) -> None:
+        """A part's words (seconds from where that part starts), moved onto the window's clock."""
+        self.words = (self.words or []) + [w.moved(self.steps * TIME_PRECISION) for w in words]
 
     def rest(self, plan: TranscriptionPlan, rules: TimestampRules | None, index: int,
              last_part: list[int]) -> np.ndarray | None:
@@ -202,7 +212,33 @@ class WindowDecoding:
         self.tokens, self.parts = rules.join(self.tokens, part, self.steps), self.parts + 1
 
     def result(self) -> WindowResult:
-        return WindowResult(self.tokens, self.head.no_speech_prob, self.head.avg_logprob)
+        return WindowResult(self.tokens, self.head.no_speech_prob, self.head.avg_logprob, words=self.words)
+
+
+def part_text(rules: TimestampRules | None, part: list[int], probs: list[float] | None) -> tuple[list[int], list[float]]:
+    """The text tokens of a decoded part (what its words are aligned from) and their probabilities."""
+    probs = list(probs or [])
+    if rules is None:
+        return list(part), probs
+    kept = [i for i, t in enumerate(part) if t < rules.begin]
+    return [part[i] for i in kept], [probs[i] for i in kept if i < len(probs)]
+
+
+def part_frames(plan: TranscriptionPlan, index: int, steps: int) -> int:
+    """Mel frames of audio in the part of window ``index`` that starts ``steps`` time steps in."""
+    return max(1, plan.spans[index][1] - steps_to_frames(steps))
+
+
+def part_words(tok: WhisperTokenizer, plan: TranscriptionPlan, text: list[int], scores: np.ndarray, index: int,
+               steps: int, probabilities: list[float]) -> list[WordTiming]:
+    """A part's words from its alignment scores (see engine.whisper.alignment)."""
+    sot_length = len(plan.prompt) - (0 if plan.timestamps else 1)  # the prompt without <|notimestamps|>
+    return align_words(tok, text, scores, part_frames(plan, index, steps), sot_length, probabilities, plan.language)
+
+
+def part_alignment_prompt(tok: WhisperTokenizer, plan: TranscriptionPlan, text: list[int]) -> list[int]:
+    sot = plan.prompt if plan.timestamps else plan.prompt[:-1]
+    return alignment_prompt(sot, tok.no_timestamps, text, tok.eot)
 
 
 def _rms(x: np.ndarray) -> float:
@@ -242,16 +278,33 @@ def cut_repetition(tokens: list[int], rules: TimestampRules | None = None) -> li
 
 
 def window_segments(tok: WhisperTokenizer, rules: TimestampRules | None, tokens: list[int], start: float,
-                    end: float) -> list[Segment]:
+                    end: float, words: list[WordTiming] | None = None) -> list[Segment]:
     """One window's segments (``start``..``end`` s of the file), loops cut: its timed phrases with
-    ``rules`` (timestamps), else the window as one segment."""
+    ``rules`` (timestamps), else the window as one segment; with ``words`` (on the window's clock),
+    each phrase gets its words and takes their times (faster-whisper's rules at its edges)."""
     tokens = cut_repetition(tokens, rules)
     phrases = rules.segments(tokens, start, end) if rules else [(start, end, tokens)]
     segments = []
+    queue = [Word(start + w.start, start + w.end, w.text, w.probability) for w in words or []]
+    counts = [w.tokens for w in words or []]
+    median, last_speech = median_word(words or []), start
     for phrase_start, phrase_end, phrase in phrases:
         text = tok.decode(phrase).strip()
-        if text:
-            segments.append(Segment(phrase_start, phrase_end, text, list(phrase)))
+        taken: list[Word] = []
+        held = 0
+        while queue and held < len(phrase):
+            held += counts.pop(0)
+            word = queue.pop(0)
+            if word.text:
+                taken.append(word)
+        if not text:
+            continue
+        segment = Segment(phrase_start, phrase_end, text, list(phrase))
+        if words is not None:
+            segment.words = taken
+            segment.start, segment.end = fit_phrase(taken, phrase_start, phrase_end, last_speech, median)
+            last_speech = segment.end if taken else last_speech
+        segments.append(segment)
     return segments
 
 
@@ -265,7 +318,8 @@ def result_segments(plan: TranscriptionPlan, tok: WhisperTokenizer, index: int, 
     if left_out(result):
         return []
     start, end = plan.window_times()[index]
-    return window_segments(tok, TimestampRules.of(tok) if plan.timestamps else None, result.tokens, start, end)
+    return window_segments(tok, TimestampRules.of(tok) if plan.timestamps else None, result.tokens, start, end,
+                           result.words if plan.words else None)
 
 
 def assemble_transcript(plan: TranscriptionPlan, tok: WhisperTokenizer, results: list[WindowResult]) -> Transcript:
@@ -292,25 +346,41 @@ def assemble_transcript(plan: TranscriptionPlan, tok: WhisperTokenizer, results:
 
 def transcribe_samples(decoder: WhisperReference, samples: np.ndarray, language: str | None = None,
                        task: str = "transcribe", name: str = "audio", windowing: str = "vad",
-                       timestamps: bool = False) -> Transcript:
+                       timestamps: bool = False, words: bool = False) -> Transcript:
     """Greedy, each window decoded on its own (no previous-text conditioning)."""
-    plan = plan_transcription(decoder, samples, language, task, name, windowing=windowing, timestamps=timestamps)
+    plan = plan_transcription(decoder, samples, language, task, name, windowing=windowing, timestamps=timestamps,
+                              words=words)
     rules = TimestampRules.of(decoder.tok) if plan.timestamps else None
+    heads = None
+    if words:
+        from engine.whisper.alignment import require_heads
+
+        heads = require_heads(decoder.loaded)
     results = []
     for i, (_, _, window) in enumerate(plan.spans):
         if i in plan.silent:
             results.append(plan.silent_result())
             continue
-        head = decoder.decode(decoder.encode(window), plan.prompt)
-        decoding, part = WindowDecoding(head, head.tokens), head.tokens
-        while (features := decoding.rest(plan, rules, i, part)) is not None:
-            part = decoder.decode(decoder.encode(features), plan.prompt).tokens
+        encoded = decoder.encode(window)
+        head = decoder.decode(encoded, plan.prompt)
+        decoding, part, probs = WindowDecoding(head, head.tokens), head.tokens, head.token_probs
+        while True:
+            if heads is not None:
+                text, text_probs = part_text(rules, part, probs)
+                scores = decoder.alignment_scores(encoded, part_alignment_prompt(decoder.tok, plan, text), heads)
+                decoding.add_words(part_words(decoder.tok, plan, text, scores, i, decoding.steps, text_probs))
+            features = decoding.rest(plan, rules, i, part)
+            if features is None:
+                break
+            encoded = decoder.encode(features)
+            result = decoder.decode(encoded, plan.prompt)
+            part, probs = result.tokens, result.token_probs
             decoding.join(rules, part)
         results.append(decoding.result())
     return assemble_transcript(plan, decoder.tok, results)
 
 
 def transcribe_file(decoder: WhisperReference, path: str | Path, language=None, task="transcribe",
-                    windowing: str = "vad", timestamps: bool = False) -> Transcript:
+                    windowing: str = "vad", timestamps: bool = False, words: bool = False) -> Transcript:
     return transcribe_samples(decoder, load_audio(path), language, task, name=str(path), windowing=windowing,
-                              timestamps=timestamps)
+                              timestamps=timestamps, words=words)

@@ -64,6 +64,7 @@ class WhisperReference:
         no_speech_prob = self.no_speech_probability(logits[prompt.index(self.tok.sot)])
         step = logits[-1]
         tokens: list[int] = []
+        probs: list[float] = []
         logprob_sum = 0.0
         rules = self.timestamp_rules(prompt)
         while len(prompt) + len(tokens) < max_length:
@@ -74,10 +75,35 @@ class WhisperReference:
             if rules is not None:
                 rules.apply(step, tokens)
             token = int(torch.argmax(step))
-            logprob_sum += float(torch.log_softmax(step, -1)[token])
+            logprob = float(torch.log_softmax(step, -1)[token])
+            logprob_sum += logprob
             if token == self.tok.eot:
                 break
             tokens.append(token)
+            probs.append(float(np.exp(logprob)))
             logits, cache = self._logits([token], encoded, cache)
             step = logits[-1]
-        return WindowResult(tokens, no_speech_prob, logprob_sum / (len(tokens) + 1))
+        return WindowResult(tokens, no_speech_prob, logprob_sum / (len(tokens) + 1), token_probs=probs)
+
+    @torch.inference_mode()
+    def alignment_scores(self, encoded: torch.Tensor, prompt: list[int], heads: list[tuple[int, int]]) -> np.ndarray:
+        """Raw cross-attention scores (query . key / sqrt(d)) of the alignment ``heads`` for every row of
+        ``prompt`` read in one pass: [heads, rows, frames]. The queries are caught on their way out of
+        each layer's projection; the keys are the layer's projection of the encoder states."""
+        layers = self.model.model.decoder.layers
+        queries: dict[int, torch.Tensor] = {}
+        hooks = [layers[i].encoder_attn.q_proj.register_forward_hook(
+            lambda _m, _inp, out, i=i: queries.__setitem__(i, out[0])) for i in sorted({layer for layer, _ in heads})]
+        try:
+            self._logits(prompt, encoded)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        cfg = self.model.config
+        n, d = cfg.decoder_attention_heads, cfg.d_model // cfg.decoder_attention_heads
+        out = []
+        for layer, head in heads:
+            keys = layers[layer].encoder_attn.k_proj(encoded[0]).view(-1, n, d)[:, head].float()
+            q = queries[layer].view(-1, n, d)[:, head].float()
+            out.append((q @ keys.T) * d ** -0.5)
+        return torch.stack(out).numpy()
