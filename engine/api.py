@@ -115,8 +115,13 @@ class TranscribeRequest:
     name: str = ""
     windowing: str = "vad"  # "vad": windows cut in the pauses of speech; "fixed": every 30 s
     timestamps: bool = False  # True: the model times each phrase (segments of a few seconds), else one per window
+    words: bool = False  # True: each word timed too (the model's alignment heads); segments carry ``words``
+    speakers: str | int = "off"  # "auto", a number of speakers, or "off": segments carry a ``speaker``
     # Resuming: windows finished in an earlier run (index -> WindowResult) are not decoded again.
     done_windows: dict | None = None
+    # Windows decoded outside this request (a live recording's), by engine.whisper.pipeline.window_key: reused
+    # where this file's window has the same span, prompt and features, so the result is what decoding gives.
+    known_windows: dict | None = None
     # Called on the engine thread as soon as the plan is made (with the TranscriptionPlan) and as each
     # window finishes (index, WindowResult), so a job store records them before anything else happens.
     # on_plan returns False when the earlier run's windows lay elsewhere: done_windows are then unused.

@@ -93,6 +93,8 @@ class Engine:
         self._work: dict[int, list] = {}  # handle id -> its sequences
         # Audio files are read and planned on a thread of their own, so no slot waits for a file to decode.
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadence-audio")
+        # Speakers are told apart on a thread of their own, beside decoding (engine.speakers).
+        self._speakers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadence-speakers")
         self._reading: dict[int, Handle] = {}  # handle id -> a transcription whose audio is being read
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cadence-engine", daemon=True)
@@ -121,6 +123,7 @@ class Engine:
         self._commands.put(("stop", None))
         self._thread.join(timeout)
         self._reader.shutdown(wait=True, cancel_futures=True)
+        self._speakers.shutdown(wait=False, cancel_futures=True)
         for handle in list(self._reading.values()):  # files still being read (or never started) when it stopped
             handle.fail("The engine was shut down.")
         # A submit that raced the stop command was queued behind it: it still gets its final event.
@@ -280,6 +283,8 @@ class Engine:
                 self._start(handle)
             elif command == "planned":
                 self._planned(*handle)
+            elif command == "call":  # work handed back to the engine thread (speakers told apart)
+                handle()
             elif command == "cancel":
                 for seq in self._work.get(handle.id, []):
                     seq.cancelled = True
@@ -306,6 +311,10 @@ class Engine:
 
         try:
             result = read_plan(reference, handle.request)
+            if result.samples is not None:
+                from engine.speakers import diarize_plan
+
+                result.speaker_turns = self._speakers.submit(diarize_plan, result)
         except Exception as exc:  # reported on the engine thread, as every start failure is
             result = exc
         self._commands.put(("planned", (handle, result)))
@@ -325,7 +334,8 @@ class Engine:
             from engine.whisper.run import TranscriptionRun
 
             model = handle.request.model
-            return TranscriptionRun(handle, self.lane(model, WHISPER), self.reference(model), plan).start()
+            return TranscriptionRun(handle, self.lane(model, WHISPER), self.reference(model), plan,
+                                    call_soon=lambda fn: self._commands.put(("call", fn))).start()
 
         self._begin(handle, start)
 

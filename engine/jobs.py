@@ -17,6 +17,7 @@ from pathlib import Path
 from engine.errors import CadenceError
 from engine.store import connect, db_path
 from engine.transcript import WindowResult
+from engine.whisper.alignment import WordTiming
 
 UNFINISHED = ("queued", "running")
 
@@ -100,6 +101,8 @@ class JobStore:
     def add_window(self, job_id: int, index: int, window: WindowResult) -> None:
         data = {"tokens": list(window.tokens), "no_speech_prob": window.no_speech_prob,
                 "avg_logprob": window.avg_logprob}
+        if window.words is not None:
+            data["words"] = [w.to_list() for w in window.words]
         self._db.execute("INSERT OR REPLACE INTO job_windows (job_id, idx, data) VALUES (?, ?, ?)",
                          (job_id, index, json.dumps(data)))
 
@@ -108,7 +111,8 @@ class JobStore:
         out = {}
         for row in rows:
             data = json.loads(row["data"])
-            out[int(row["idx"])] = WindowResult(data["tokens"], data["no_speech_prob"], data["avg_logprob"])
+            words = [WordTiming.from_list(w) for w in data["words"]] if "words" in data else None
+            out[int(row["idx"])] = WindowResult(data["tokens"], data["no_speech_prob"], data["avg_logprob"], words=words)
         return out
 
     def finished(self, job_id: int, result: dict) -> None:
@@ -141,8 +145,9 @@ def _job(row) -> Job:
         result=json.loads(row["result"]) if row["result"] else None, created=row["created"], updated=row["updated"])
 
 
-def submit_job(engine, jobs: JobStore, job_id: int):
-    """Submit a stored job to the engine, skipping its stored windows; its progress is recorded as it
+def submit_job(engine, jobs: JobStore, job_id: int, known_windows: dict | None = None):
+    """Submit a stored job to the engine, skipping its stored windows (and ``known_windows``: windows
+    decoded before, e.g. by a live recording, reused where identical); its progress is recorded as it
     happens. Returns the engine handle; call :func:`settle_job` with its outcome."""
     from engine.api import TranscribeRequest
 
@@ -165,7 +170,8 @@ def submit_job(engine, jobs: JobStore, job_id: int):
         audio=job.path, model=job.model, language=job.language or options.get("language"),
         task=options.get("task", "transcribe"), name=job.path, done_windows=jobs.windows(job_id),
         windowing=options.get("windowing", "vad"), timestamps=bool(options.get("timestamps", False)),
-        on_plan=on_plan, on_window=on_window)
+        words=bool(options.get("words", False)), speakers=options.get("speakers", "off"),
+        known_windows=known_windows, on_plan=on_plan, on_window=on_window)
     jobs._set(job_id, state="running")
     return engine.submit(request)
 

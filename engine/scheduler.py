@@ -14,6 +14,7 @@ between windows), so the slots then decode at full width. The time it takes is i
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -51,6 +52,11 @@ class WindowState:
     probe_row: int  # the prompt row whose logits are kept
     probe_logits: torch.Tensor | None = None
     logprob_sum: float = 0.0
+    token_probs: list[float] | None = None  # each token's probability as chosen, where words are timed
+    # Word alignment: once decoded, the window's text is read again in its slot (the prompt is all it
+    # runs) and the alignment heads' cross-attention scores of its rows are kept, a tensor per step.
+    aligning: bool = False
+    attention: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -70,6 +76,9 @@ class Sequence:
     # Called with the slot on joining; may return a generator of work pieces to run before the prompt.
     prepare: Callable[["Sequence", int], Iterator | None] | None = None
     window: WindowState | None = None  # a Whisper window's own state
+    # Called instead of finishing (not on cancel); True when it gave the sequence more to do in its slot.
+    follow_on: Callable[["Sequence", str], bool] | None = None
+    urgent: bool = False  # joins before every sequence that is not (a live recording's windows)
     handle: object | None = None  # the request this sequence belongs to
     index: int = 0  # its place within that request (Whisper: the window number)
     size: float = 0.0  # expected work (Whisper: frames of audio in the window), for the joining order
@@ -214,7 +223,11 @@ class Lane:
     def add(self, seq: Sequence) -> None:
         if len(seq.prompt) + seq.max_new_tokens > self.decoder.max_len:
             seq.max_new_tokens = max(0, self.decoder.max_len - len(seq.prompt))
-        self.waiting.append(seq)
+        if seq.urgent:  # after the urgent ones already waiting, before everything else
+            at = next((i for i, s in enumerate(self.waiting) if not s.urgent), len(self.waiting))
+            self.waiting.insert(at, seq)
+        else:
+            self.waiting.append(seq)
 
     def cancel(self, seq: Sequence) -> None:
         seq.cancelled = True
@@ -224,6 +237,10 @@ class Lane:
         return bool(self.waiting) or any(s is not None for s in self.slots)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.follow_on is not None and reason != "cancelled" and seq.slot >= 0 and self.slots[seq.slot] is seq:
+            follow_on, seq.follow_on = seq.follow_on, None
+            if follow_on(seq, reason):  # it goes on in its slot (Whisper: aligning its words)
+                return
         seq.finish_reason = reason
         seq.preparing = None
         if seq.slot >= 0 and self.slots[seq.slot] is seq:
@@ -238,7 +255,7 @@ class Lane:
         decoding alone at the end), while no sequence waits more than ``width`` extra turns and files
         still finish roughly in the order they came."""
         head = self.waiting[0]
-        if head.passed_over >= self.width:
+        if head.passed_over >= self.width or head.urgent:
             return self.waiting.popleft()
         ahead = list(islice(self.waiting, self.width))
         pick = max(ahead, key=lambda s: s.size)  # the first of the largest
@@ -354,7 +371,10 @@ class Lane:
             else:
                 token, kept = seq.picker.pick(row), False
             if seq.window is not None:
-                seq.window.logprob_sum += float(torch.log_softmax(row, -1)[token])
+                logprob = float(torch.log_softmax(row, -1)[token])
+                seq.window.logprob_sum += logprob
+                if seq.window.token_probs is not None:
+                    seq.window.token_probs.append(math.exp(logprob))
             seq.picker.observe(token)
             emitted.append(token)
             if not kept:
@@ -392,8 +412,12 @@ class Lane:
         prefill_rows = sum(len(r) for s, r in zip(active, rows) if s.prefilling)
         batch = StepBatch.build([s.slot for s in active], rows, [s.fed for s in active], device=self.decoder.device)
         # Logits for each sequence's last row, every row of a draft being checked, and a probe row where asked.
-        wanted, owners, offset = [], [], 0
+        wanted, owners, offset, aligning = [], [], 0, []
         for seq, r in zip(active, rows):
+            if seq.window is not None and seq.window.aligning:
+                aligning.append(seq)
+                batch.attention_groups = (batch.attention_groups or []) + [
+                    (seq.slot, torch.arange(offset, offset + len(r), device=batch.tokens.device))]
             probe = seq.window.probe_row if seq.window is not None else None
             if probe is not None and seq.fed <= probe < seq.fed + len(r):
                 wanted.append(offset + probe - seq.fed)
@@ -408,6 +432,8 @@ class Lane:
         logits, hidden = self.decoder.forward(batch, rows_t, with_hidden=True) if with_hidden else \
             (self.decoder.forward(batch, rows_t), None)
         logits = logits.cpu()  # token choice runs on the CPU, per sequence, with its own generator
+        for seq, scores in zip(aligning, batch.attention or []):
+            seq.window.attention.append(scores.cpu())
         now = time.perf_counter()
         emitted: dict[int, int] = {}
         drafted: dict[int, int] = {}
@@ -421,6 +447,9 @@ class Lane:
             if seq.prefilling:
                 seq.fed += fed_rows
                 if seq.prefilling:
+                    continue
+                if seq.window is not None and seq.window.aligning:  # its prompt was all it had to read
+                    self._finish(seq, "stop")
                     continue
                 tokens, accepted = self._verify(seq, logits[first:at], [])
             else:

@@ -48,6 +48,10 @@ class StepBatch:
     kv_len: int  # cache positions any row attends to, rounded up to a whole attention block
     blocked: torch.Tensor  # [S, 1, T, kv_len] True where a row may not attend (later positions)
     _windowed: dict = field(default_factory=dict)  # window -> its mask, made once per step
+    # Rows whose cross-attention scores a family collects (Whisper's word alignment), as (slot, rows in R)
+    # groups; None on the ordinary path, which then does nothing extra. The family fills ``attention``.
+    attention_groups: list[tuple[int, torch.Tensor]] | None = None
+    attention: list[torch.Tensor] | None = None
 
     @classmethod
     def build(cls, slots: list[int], rows: list[list[int]], starts: list[int], device="cpu") -> "StepBatch":

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_models)
 
     from app.cli.chat import cmd_chat
-    from app.cli.transcribe import cmd_transcribe
+    from app.cli.transcribe import add_transcript_flags, cmd_transcribe
 
     p = sub.add_parser("transcribe", help="transcribe audio or video files (folders are searched recursively)")
     p.add_argument("files", nargs="*", metavar="FILE")
@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     p.add_argument("--resume", action="store_true", help="continue every unfinished job in the store (after a "
                    "crash or a kill), without decoding its finished windows again")
+    add_transcript_flags(p)
     add_engine_flags(p, BACKENDS)
     p.set_defaults(func=cmd_transcribe)
 

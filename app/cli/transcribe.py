@@ -17,6 +17,40 @@ from app.cli.common import Session, check_model, engine_options, err, expand_inp
 from engine.errors import CadenceError
 
 
+def add_transcript_flags(p) -> None:
+    """Speakers, word timestamps and subtitle rules (``cadence transcribe``)."""
+    from engine.subtitles import SubtitleRules
+
+    d = SubtitleRules()
+    p.add_argument("--speakers", default="off", metavar="auto|N|off",
+                   help="tell speakers apart: auto (count them), N (that many) or off (default); segments and "
+                        "outputs carry each speaker's label")
+    p.add_argument("--word-timestamps", dest="words", action="store_true",
+                   help="time each word too (JSON carries 'words'; subtitles are cut at word times)")
+    p.add_argument("--max-line-chars", type=int, default=d.max_chars, metavar="N",
+                   help=f"subtitles: characters per line (default {d.max_chars})")
+    p.add_argument("--max-lines", type=int, default=d.max_lines, metavar="N",
+                   help=f"subtitles: lines per cue (default {d.max_lines})")
+    p.add_argument("--min-cue-duration", type=float, default=d.min_duration, metavar="S",
+                   help=f"subtitles: seconds a cue stays on screen at least (default {d.min_duration:.2f})")
+    p.add_argument("--max-cue-duration", type=float, default=d.max_duration, metavar="S",
+                   help=f"subtitles: seconds a cue stays on screen at most (default {d.max_duration:g})")
+
+
+def transcript_options(args) -> dict:
+    """The job options the transcript flags give, checked (a bad value is one sentence)."""
+    from engine.speakers import parse_speakers
+    from engine.subtitles import SubtitleRules
+
+    try:
+        speakers = parse_speakers(args.speakers)
+    except CadenceError as exc:
+        raise CadenceError(f"--speakers: {exc}") from None
+    rules = SubtitleRules(max_chars=args.max_line_chars, max_lines=args.max_lines,
+                          min_duration=args.min_cue_duration, max_duration=args.max_cue_duration)
+    return {"speakers": speakers, "words": args.words, "subtitles": rules.to_options()}
+
+
 def _target(job, fmt: str) -> Path | None:
     """Where a job's output goes: None for stdout."""
     out = job.options.get("out")
@@ -41,6 +75,7 @@ def cmd_transcribe(args) -> int:
     from engine.formats import render
     from engine.jobs import JobStore, settle_job, submit_job
     from engine.models import WHISPER
+    from engine.subtitles import SubtitleRules
 
     if args.json and args.format not in (None, "json"):
         raise CadenceError(f"--json prints JSON; it cannot be combined with --format {args.format}.")
@@ -55,6 +90,7 @@ def cmd_transcribe(args) -> int:
         ids += [job.id for job in jobs.unfinished()]
         err(f"Resuming {len(ids)} unfinished job{'s' if len(ids) != 1 else ''}.")
     if args.files:
+        extra = transcript_options(args)
         source = check_model(args.model, WHISPER)
         files = expand_inputs(args.files)
         if not files:
@@ -67,7 +103,7 @@ def cmd_transcribe(args) -> int:
                 raise CadenceError(f"The output folder {out} cannot be created ({exc.strerror or exc}).") from None
         options = {"format": fmt, "out": out if not (args.json and not out) else "-", "overwrite": args.overwrite,
                    "language": args.language, "task": args.task, "windowing": args.windows,
-                   "timestamps": args.timestamps}
+                   "timestamps": args.timestamps, **extra}
         ids += [jobs.create(path.absolute(), source.name, options) for path in files]
     if not ids:
         return 0
@@ -103,10 +139,12 @@ def cmd_transcribe(args) -> int:
                 if target is not None:
                     if target.exists() and not job.options.get("overwrite"):  # two inputs with the same name
                         raise CadenceError(f"{target} already exists (use --overwrite to replace it).")
-                    target.write_text(render(transcript, job_fmt), encoding="utf-8")
+                rules = SubtitleRules.from_options(job.options.get("subtitles"))
+                if target is not None:
+                    target.write_text(render(transcript, job_fmt, rules), encoding="utf-8")
                     entry["output"] = str(target)
                 elif job_fmt != "json":
-                    sys.stdout.write(render(transcript, job_fmt))
+                    sys.stdout.write(render(transcript, job_fmt, rules))
                     sys.stdout.flush()
             except CadenceError as exc:
                 failed += 1

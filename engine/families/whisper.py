@@ -113,7 +113,14 @@ class WhisperBatched(BatchedDecoder):
         prep.save()
         self._output_weight = hf.proj_out.weight.detach()
         self.memory_len = cfg.max_source_positions
+        self.alignment_heads: dict[int, list[int]] = {}  # layer -> heads, where words are timed
         self.allocate(width)
+
+    def set_alignment_heads(self, heads: list[tuple[int, int]] | None) -> None:
+        """The cross-attention heads whose scores word alignment reads (layer, head)."""
+        self.alignment_heads = {}
+        for layer, head in heads or []:
+            self.alignment_heads.setdefault(layer, []).append(head)
 
     def _allocate(self, width: int, max_len: int) -> None:
         dtype, device, n = attention_dtype(self.precision, self.embed.device), self.embed.device, len(self.layers)
@@ -179,6 +186,17 @@ class WhisperBatched(BatchedDecoder):
     def output_embeddings(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.embed, self._output_weight
 
+    def _collect_attention(self, batch: StepBatch, layer: int, q: torch.Tensor) -> None:
+        """Raw cross-attention scores (query . key / sqrt(d)) of this layer's alignment heads for the
+        rows asked for, appended per group to ``batch.attention``; the decoding itself is untouched."""
+        if batch.attention is None:
+            batch.attention = [[] for _ in batch.attention_groups]
+        heads = self.alignment_heads[layer]
+        for parts, (slot, rows) in zip(batch.attention, batch.attention_groups):
+            keys = self.cross_k[layer, slot, heads, : self.memory_len].float()  # [h, M, D]
+            queries = q[rows][:, heads].float().transpose(0, 1)  # [h, n, D]
+            parts.append(torch.matmul(queries, keys.transpose(1, 2)) * self.head_dim ** -0.5)
+
     def forward(self, batch: StepBatch, logit_rows: torch.Tensor | None = None, with_hidden: bool = False):
         x = F.embedding(batch.flat(batch.tokens), self.embed).to(self.dtype) + self.positions[batch.row_positions]
         R = x.shape[0]
@@ -186,8 +204,12 @@ class WhisperBatched(BatchedDecoder):
             q, k, v = layer.qkv(self._norm(x, layer.self_norm)).view(R, 3, self.heads, self.head_dim).unbind(1)
             x = x + layer.self_out(attend(q, k, v, self.cache, i, batch))
             q = layer.cross_q(self._norm(x, layer.cross_norm)).view(R, self.heads, self.head_dim)
+            if batch.attention_groups is not None and i in self.alignment_heads:
+                self._collect_attention(batch, i, q)
             x = x + layer.cross_out(attend_fixed(q, self.cross_k[i], self.cross_v[i], batch, self.memory_blocked))
             x = x + layer.fc2(F.gelu(layer.fc1(self._norm(x, layer.ffn_norm))))
+        if batch.attention_groups is not None:  # per group, [alignment heads, rows, memory] in layer order
+            batch.attention = [torch.cat(parts) for parts in batch.attention]
         if logit_rows is not None:
             x = x[logit_rows]
         hidden = self._norm(x, self.final_norm)

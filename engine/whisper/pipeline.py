@@ -8,6 +8,7 @@ the slots), so both apply the same rules.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,9 @@ class TranscriptionPlan:
     timestamps: bool = False  # the model times each phrase (segments of a few seconds), not one per window
     words: bool = False  # each word timed from the alignment heads' cross-attention
     speakers: str | int = "off"  # "auto", a number of speakers, or "off" (engine.speakers)
+    speech_probabilities: np.ndarray | None = None  # voice activity per 32 ms, where it was computed
+    samples: np.ndarray | None = None  # the audio, kept only until the speakers are told apart
+    speaker_turns: object | None = None  # a Future of engine.speakers.Turn list, while they are being told apart
 
     def set_prompt(self, tok: WhisperTokenizer) -> None:
         """The decoder's prompt for the plan's language, task and timestamps."""
@@ -92,7 +96,8 @@ def check_windowing(windowing: str) -> str:
     return windowing
 
 
-def plan_windows(features: np.ndarray, samples: np.ndarray, windowing: str) -> list[tuple[int, int, np.ndarray]]:
+def plan_windows(features: np.ndarray, samples: np.ndarray, windowing: str,
+                 probabilities: np.ndarray | None = None) -> list[tuple[int, int, np.ndarray]]:
     """(first frame, frames of content, padded window) of each window to decode: cut in the pauses of
     speech found by voice activity ("vad": long silences are not decoded, words are rarely cut at a
     window edge), or every 30 s ("fixed", faster-whisper's sequential windows without timestamps)."""
@@ -102,7 +107,9 @@ def plan_windows(features: np.ndarray, samples: np.ndarray, windowing: str) -> l
 
     content = features.shape[-1] - 1  # the last frame comes from the padding tail
     spans = []
-    for seek, size in vad_windows(speech_probabilities(samples), samples.size):
+    if probabilities is None:
+        probabilities = speech_probabilities(samples)
+    for seek, size in vad_windows(probabilities, samples.size):
         size = min(size, content - seek)
         if size > 0:
             spans.append((seek, size, pad_window(features[:, seek : seek + size])))
@@ -122,12 +129,18 @@ def plan_transcription(decoder: WhisperReference, samples: np.ndarray, language:
         raise CadenceError(f"{Path(name).name} is too short to transcribe ({samples.size / SAMPLE_RATE:.2f} s).")
     started = time.perf_counter()
     features = log_mel(samples, decoder.model.config.num_mel_bins)
-    spans = plan_windows(features, samples, windowing)
+    probabilities = None
+    if windowing == "vad":
+        from engine.whisper.vad import speech_probabilities
+
+        probabilities = speech_probabilities(samples)
+    spans = plan_windows(features, samples, windowing, probabilities)
     hop = SAMPLE_RATE // FRAMES_PER_SECOND
     silent = {i for i, (seek, size, _) in enumerate(spans)
               if _rms(samples[seek * hop : (seek + size) * hop]) < SILENCE_RMS}
     plan = TranscriptionPlan(name, language, [], samples.size / SAMPLE_RATE, spans, started, silent, task,
                              timestamps=timestamps, words=words)
+    plan.speech_probabilities = probabilities
     if language is not None:
         plan.set_prompt(tok)
         return plan
@@ -154,8 +167,19 @@ def read_plan(ref: WhisperReference, req) -> TranscriptionPlan:
     samples = req.audio if isinstance(req.audio, np.ndarray) else load_audio(req.audio)
     plan = plan_transcription(ref, samples, req.language, req.task, req.name or name, detect=False,
                               windowing=req.windowing, timestamps=req.timestamps, words=req.words)
-    plan.speakers = req.speakers
+    from engine.speakers import parse_speakers
+
+    plan.speakers = parse_speakers(req.speakers)
+    if plan.speakers != "off":
+        plan.samples = samples
     return plan
+
+
+def window_key(plan: TranscriptionPlan, index: int) -> tuple:
+    """What decides a window's result: its span, its features (their digest), the prompt and word timing."""
+    seek, size, window = plan.spans[index]
+    digest = hashlib.sha1(np.ascontiguousarray(window).tobytes()).hexdigest()
+    return seek, size, digest, tuple(plan.prompt), plan.words
 
 
 def steps_to_frames(steps: int) -> int:

@@ -1,0 +1,295 @@
+"""Who spoke when: voice embeddings of the speech, clustered into speakers, turned into speaker turns.
+
+The voice encoder is Resemblyzer's (a 3-layer LSTM over 40-band mel spectrograms, trained for
+speaker verification; Apache-2.0, its weights ship inside the ``resemblyzer`` package, read here
+with ``torch.load(weights_only=True)`` without importing the package, whose audio code needs other
+libraries). Every stretch of speech the voice activity detector finds is cut into overlapping 1.6-s
+pieces; each piece gets a 256-number voice print; the prints are grouped by agglomerative
+clustering (Ward's linkage on the unit vectors, scikit-learn), into the number of speakers asked for, or, with
+"auto", into as many as keep every two groups' mean voice prints clearly apart (cosine similarity
+below 0.8; splitting one voice in two gives groups above it), each with a few seconds of speech. Each 10-ms frame of speech takes the speaker of the pieces over it; runs of one speaker
+are the turns. It runs on a thread of its own beside decoding (see engine.engine), never in a step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.audio import SAMPLE_RATE
+from engine.errors import CadenceError, RequestError
+
+MAX_SPEAKERS = 20
+PIECE_FRAMES = 160  # 1.6 s of 10-ms frames: what the encoder was trained on
+PIECE_STEP = 80  # a piece every 0.8 s (each frame in two pieces)
+MIN_PIECE_FRAMES = 50  # a stretch of speech shorter than 0.5 s gets no voice print of its own
+TARGET_DBFS = -30.0  # each stretch brought to this loudness first (the encoder's training level)
+SAME_SPEAKER_SIMILARITY = 0.8  # two groups whose mean voice prints are this alike are one speaker
+MAX_AUTO_SPEAKERS = 8
+MIN_SPEAKER_PIECES = 3  # with "auto", a group of fewer pieces (under about 2.5 s of speech) is not a speaker
+HOP = 160
+N_FFT = 400
+
+
+@dataclass(frozen=True)
+class Turn:
+    start: float
+    end: float
+    speaker: str  # "S1", "S2", ... in order of first appearance
+
+
+def parse_speakers(value) -> str | int:
+    """'auto', 'off' or a number of speakers from 1 to MAX_SPEAKERS; anything else gets a sentence."""
+    text = str(value).strip().lower()
+    if text in ("auto", "off"):
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise RequestError(f"Speakers must be auto, off or a number of speakers (got '{value}').") from None
+    if not 1 <= n <= MAX_SPEAKERS:
+        raise RequestError(f"The number of speakers must be from 1 to {MAX_SPEAKERS} (got {n}).")
+    return n
+
+
+# ---------------------------------------------------------------------------- the voice encoder
+def weights_path() -> Path:
+    spec = importlib.util.find_spec("resemblyzer")
+    if spec is None or not spec.submodule_search_locations:
+        raise CadenceError("Telling speakers apart needs the resemblyzer package (run `make setup`).")
+    path = Path(list(spec.submodule_search_locations)[0]) / "pretrained.pt"
+    if not path.is_file():
+        raise CadenceError("The resemblyzer package has no pretrained.pt; reinstall it with `make setup`.")
+    return path
+
+
+class VoiceEncoder:
+    """Resemblyzer's speaker encoder: [pieces, frames, 40] mel power -> [pieces, 256] unit voice prints.
+
+    Run in NumPy with its matrix library held to one thread: it works beside the engine's decoding,
+    and PyTorch's thread pool is the decoder's (two callers sharing it oversubscribe the cores)."""
+
+    def __init__(self):
+        import torch
+
+        state = torch.load(weights_path(), map_location="cpu", weights_only=True)["model_state"]
+        weights = {k: v.numpy().astype(np.float32) for k, v in state.items()}
+        self.layers = [(weights[f"lstm.weight_ih_l{i}"].T.copy(), weights[f"lstm.weight_hh_l{i}"].T.copy(),
+                        weights[f"lstm.bias_ih_l{i}"] + weights[f"lstm.bias_hh_l{i}"]) for i in range(3)]
+        self.linear = (weights["linear.weight"].T.copy(), weights["linear.bias"])
+
+    def __call__(self, mels: np.ndarray) -> np.ndarray:
+        from threadpoolctl import threadpool_limits
+
+        with threadpool_limits(limits=1, user_api="blas"):
+            x = np.asarray(mels, np.float32)
+            batch, steps, _ = x.shape
+            for w_in, w_hidden, bias in self.layers:
+                inputs = (x.reshape(batch * steps, -1) @ w_in + bias).reshape(batch, steps, -1)
+                size = w_hidden.shape[0]
+                h = np.zeros((batch, size), np.float32)
+                c = np.zeros((batch, size), np.float32)
+                out = np.empty((batch, steps, size), np.float32)
+                for t in range(steps):  # gates in PyTorch's order: input, forget, cell, output
+                    gates = inputs[:, t] + h @ w_hidden
+                    i, f = _sigmoid(gates[:, :size]), _sigmoid(gates[:, size : 2 * size])
+                    g, o = np.tanh(gates[:, 2 * size : 3 * size]), _sigmoid(gates[:, 3 * size :])
+                    c = f * c + i * g
+                    h = o * np.tanh(c)
+                    out[:, t] = h
+                x = out
+            raw = np.maximum(h @ self.linear[0] + self.linear[1], 0.0)
+            return raw / np.maximum(np.linalg.norm(raw, axis=1, keepdims=True), 1e-12)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (np.tanh(0.5 * x) + 1.0)
+
+
+_ENCODER: VoiceEncoder | None = None
+
+
+def encoder() -> VoiceEncoder:
+    global _ENCODER
+    if _ENCODER is None:
+        _ENCODER = VoiceEncoder()
+    return _ENCODER
+
+
+def voice_mel(samples: np.ndarray) -> np.ndarray:
+    """[frames, 40] mel power spectrogram (25-ms Hann windows every 10 ms, zero-padded at the edges),
+    the encoder's input; not a log spectrogram."""
+    from engine.whisper.features import mel_filters
+
+    audio = np.pad(samples.astype(np.float32), (N_FFT // 2, N_FFT // 2))
+    n = 1 + (audio.size - N_FFT) // HOP
+    frames = np.lib.stride_tricks.as_strided(audio, (n, N_FFT), (HOP * audio.strides[0], audio.strides[0]))
+    window = np.hanning(N_FFT + 1)[:-1].astype(np.float32)
+    power = np.abs(np.fft.rfft(frames * window, axis=-1)) ** 2
+    return (power @ mel_filters(40).T).astype(np.float32)
+
+
+def _loudness_normalized(x: np.ndarray) -> np.ndarray:
+    rms = float(np.sqrt(np.mean(np.square(x, dtype=np.float64)))) if x.size else 0.0
+    return x * (10 ** (TARGET_DBFS / 20) / rms) if rms > 1e-6 else x
+
+
+# ---------------------------------------------------------------------------- pieces, prints, speakers
+def speech_pieces(regions: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(first frame, frames) of the overlapping pieces voice prints are taken from, within speech regions."""
+    pieces = []
+    for start, end in regions:
+        first, last = start // HOP, end // HOP
+        if last - first < MIN_PIECE_FRAMES:
+            continue
+        if last - first <= PIECE_FRAMES:
+            pieces.append((first, last - first))
+            continue
+        at = first
+        while at + PIECE_FRAMES < last:
+            pieces.append((at, PIECE_FRAMES))
+            at += PIECE_STEP
+        pieces.append((last - PIECE_FRAMES, PIECE_FRAMES))
+    return pieces
+
+
+def voice_prints(samples: np.ndarray, regions: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """The pieces (first frame, frames) and their voice prints [pieces, 256]; each region's loudness is
+    normalised before its spectrogram is cut into pieces."""
+    pieces, mels = [], []
+    for start, end in regions:
+        region_pieces = speech_pieces([(start, end)])
+        if not region_pieces:
+            continue
+        first = start // HOP
+        region_mel = voice_mel(_loudness_normalized(samples[start:end]))
+        for at, size in region_pieces:
+            piece = region_mel[at - first : at - first + size]
+            if piece.shape[0] >= MIN_PIECE_FRAMES:
+                pieces.append((at, piece.shape[0]))
+                mels.append(piece)
+    prints = np.zeros((len(pieces), 256), np.float32)
+    by_length: dict[int, list[int]] = {}
+    for i, mel in enumerate(mels):
+        by_length.setdefault(mel.shape[0], []).append(i)
+    for indices in by_length.values():  # pieces of one length in one batch
+        prints[indices] = encoder()(np.stack([mels[i] for i in indices]))
+    return pieces, prints
+
+
+def cluster(prints: np.ndarray, speakers: str | int) -> np.ndarray:
+    """A speaker number per voice print: ``speakers`` groups, or with "auto" the count whose clusters
+    separate best."""
+    n = prints.shape[0]
+    if n == 0:
+        return np.zeros(0, int)
+    if speakers == 1 or n == 1:
+        return np.zeros(n, int)
+    from sklearn.cluster import AgglomerativeClustering
+
+    def grouped(k: int) -> np.ndarray:  # Ward's linkage on unit vectors: compact groups, outliers join one
+        return AgglomerativeClustering(n_clusters=k, linkage="ward").fit_predict(prints)
+
+    if speakers != "auto":
+        return grouped(min(int(speakers), n))
+    labels = np.zeros(n, int)  # one speaker, until a split into one more gives groups that sound apart
+    for k in range(2, min(MAX_AUTO_SPEAKERS, n) + 1):
+        split = grouped(k)
+        if np.bincount(split).min() < MIN_SPEAKER_PIECES or _closest_groups(prints, split, k) >= SAME_SPEAKER_SIMILARITY:
+            break
+        labels = split
+    return labels
+
+
+def _closest_groups(prints: np.ndarray, labels: np.ndarray, k: int) -> float:
+    """The cosine similarity of the two most alike groups' mean voice prints."""
+    centres = np.stack([prints[labels == j].mean(0) for j in range(k)])
+    centres /= np.maximum(np.linalg.norm(centres, axis=1, keepdims=True), 1e-12)
+    similar = centres @ centres.T
+    np.fill_diagonal(similar, -1.0)
+    return float(similar.max())
+
+
+def speaker_turns(samples: np.ndarray, speakers: str | int, regions: list[tuple[int, int]]) -> list[Turn]:
+    """The turns of speech in ``samples`` (16 kHz) within the speech ``regions`` (sample ranges)."""
+    pieces, prints = voice_prints(samples, regions)
+    labels = cluster(prints, speakers)
+    frames = samples.size // HOP + 1
+    votes = np.zeros((frames, max(1, int(labels.max()) + 1 if labels.size else 1)), np.float32)
+    for (at, size), label in zip(pieces, labels):
+        centre = at + size / 2
+        span = np.arange(at, min(at + size, frames))
+        votes[span, label] += 1.0 / (1.0 + np.abs(span - centre) / size)  # a piece counts most at its middle
+    turns: list[Turn] = []
+    names: dict[int, str] = {}
+    for start, end in regions:
+        first, last = start // HOP, min(end // HOP, frames)
+        if last <= first:
+            continue
+        region_votes = votes[first:last]
+        if not region_votes.any():  # too short for a print of its own: the nearest piece's speaker
+            label = _nearest_label(pieces, labels, (first + last) / 2)
+            chosen = np.full(last - first, label)
+        else:
+            chosen = region_votes.argmax(1)
+            unvoted = ~region_votes.any(1)
+            if unvoted.any():
+                chosen[unvoted] = _nearest_label(pieces, labels, (first + last) / 2)
+        run_start = 0
+        for i in range(1, len(chosen) + 1):
+            if i == len(chosen) or chosen[i] != chosen[run_start]:
+                label = int(chosen[run_start])
+                name = names.setdefault(label, f"S{len(names) + 1}")
+                turn = Turn((first + run_start) * HOP / SAMPLE_RATE, (first + i) * HOP / SAMPLE_RATE, name)
+                if turns and turns[-1].speaker == name and turn.start - turns[-1].end < 1e-6:
+                    turns[-1] = Turn(turns[-1].start, turn.end, name)
+                else:
+                    turns.append(turn)
+                run_start = i
+    return turns
+
+
+def _nearest_label(pieces, labels, frame: float) -> int:
+    if not pieces:
+        return 0
+    centres = np.array([at + size / 2 for at, size in pieces])
+    return int(labels[int(np.argmin(np.abs(centres - frame)))])
+
+
+def diarize(samples: np.ndarray, speakers: str | int, probabilities: np.ndarray | None = None) -> list[Turn]:
+    """Speaker turns of a whole recording (16 kHz), from its voice-activity probabilities (computed here
+    when not given)."""
+    from engine.whisper.vad import speech_probabilities, speech_regions
+
+    if probabilities is None:
+        probabilities = speech_probabilities(samples)
+    return speaker_turns(samples, speakers, speech_regions(probabilities, samples.size))
+
+
+def diarize_plan(plan) -> list[Turn]:
+    """A planned transcription's speaker turns; the plan's copy of the audio is let go once done."""
+    samples, plan.samples = plan.samples, None
+    return diarize(samples, plan.speakers, plan.speech_probabilities)
+
+
+def label_segments(segments, turns: list[Turn]) -> None:
+    """Each segment takes the speaker who talks longest within it (the nearest turn when none does)."""
+    if not turns:
+        return
+    starts = np.array([t.start for t in turns])
+    for segment in segments:
+        overlap: dict[str, float] = {}
+        for turn in turns[max(0, int(np.searchsorted(starts, segment.start)) - 1):]:
+            if turn.start >= segment.end:
+                break
+            shared = min(turn.end, segment.end) - max(turn.start, segment.start)
+            if shared > 0:
+                overlap[turn.speaker] = overlap.get(turn.speaker, 0.0) + shared
+        if overlap:
+            segment.speaker = max(overlap, key=overlap.get)
+        else:
+            middle = (segment.start + segment.end) / 2
+            segment.speaker = min(turns, key=lambda t: min(abs(t.start - middle), abs(t.end - middle))).speaker
