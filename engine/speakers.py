@@ -77,36 +77,38 @@ class VoiceEncoder:
 
         state = torch.load(weights_path(), map_location="cpu", weights_only=True)["model_state"]
         weights = {k: v.numpy().astype(np.float32) for k, v in state.items()}
-        self.layers = [(weights[f"lstm.weight_ih_l{i}"].T.copy(), weights[f"lstm.weight_hh_l{i}"].T.copy(),
-                        weights[f"lstm.bias_ih_l{i}"] + weights[f"lstm.bias_hh_l{i}"]) for i in range(3)]
+        self.layers = []
+        for i in range(3):  # gates reordered (input, forget, output, cell) and the sigmoid ones halved, so a
+            # step is one tanh: sigmoid(x) = (tanh(x / 2) + 1) / 2
+            w_in, w_hidden = weights[f"lstm.weight_ih_l{i}"], weights[f"lstm.weight_hh_l{i}"]
+            bias = weights[f"lstm.bias_ih_l{i}"] + weights[f"lstm.bias_hh_l{i}"]
+            size = w_hidden.shape[1]
+            order = np.r_[0 : 2 * size, 3 * size : 4 * size, 2 * size : 3 * size]
+            scale = np.r_[np.full(3 * size, 0.5), np.ones(size)].astype(np.float32)
+            self.layers.append(((w_in[order] * scale[:, None]).T.copy(), (w_hidden[order] * scale[:, None]).T.copy(),
+                                bias[order] * scale))
         self.linear = (weights["linear.weight"].T.copy(), weights["linear.bias"])
 
     def __call__(self, mels: np.ndarray) -> np.ndarray:
         from threadpoolctl import threadpool_limits
 
         with threadpool_limits(limits=1, user_api="blas"):
-            x = np.asarray(mels, np.float32)
-            batch, steps, _ = x.shape
+            x = np.ascontiguousarray(np.asarray(mels, np.float32).transpose(1, 0, 2))  # [steps, pieces, 40]
+            steps, batch, _ = x.shape
             for w_in, w_hidden, bias in self.layers:
-                inputs = (x.reshape(batch * steps, -1) @ w_in + bias).reshape(batch, steps, -1)
                 size = w_hidden.shape[0]
+                inputs = (x.reshape(steps * batch, -1) @ w_in + bias).reshape(steps, batch, -1)
                 h = np.zeros((batch, size), np.float32)
                 c = np.zeros((batch, size), np.float32)
-                out = np.empty((batch, steps, size), np.float32)
-                for t in range(steps):  # gates in PyTorch's order: input, forget, cell, output
-                    gates = inputs[:, t] + h @ w_hidden
-                    i, f = _sigmoid(gates[:, :size]), _sigmoid(gates[:, size : 2 * size])
-                    g, o = np.tanh(gates[:, 2 * size : 3 * size]), _sigmoid(gates[:, 3 * size :])
-                    c = f * c + i * g
-                    h = o * np.tanh(c)
-                    out[:, t] = h
+                out = np.empty((steps, batch, size), np.float32)
+                for t in range(steps):
+                    z = np.tanh(inputs[t] + h @ w_hidden)
+                    gates = z[:, : 3 * size] * 0.5 + 0.5  # input, forget, output
+                    c = gates[:, size : 2 * size] * c + gates[:, :size] * z[:, 3 * size :]
+                    h = out[t] = gates[:, 2 * size :] * np.tanh(c)
                 x = out
             raw = np.maximum(h @ self.linear[0] + self.linear[1], 0.0)
             return raw / np.maximum(np.linalg.norm(raw, axis=1, keepdims=True), 1e-12)
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (np.tanh(0.5 * x) + 1.0)
 
 
 _ENCODER: VoiceEncoder | None = None

@@ -1,0 +1,86 @@
+"""Speakers: two espeak-ng voices taking turns get two labels with at least 90% of the speech time
+labelled right (their number found, or given); one voice gets one label; labels reach the outputs;
+a bad speaker count is one sentence."""
+
+import numpy as np
+import pytest
+import soundfile as sf
+from conftest import synthesize
+
+from app.cli import main as cli_main
+from engine import TranscribeRequest
+from engine.audio import SAMPLE_RATE, load_audio
+from engine.errors import RequestError
+from engine.formats import render
+from engine.speakers import diarize, parse_speakers
+
+TURNS = [
+    "Good morning everyone, thanks for joining the call today.",
+    "Thanks for having me, I have the numbers ready.",
+    "Great, let us start with the sales figures for March.",
+    "Sales grew by twelve percent compared to February.",
+    "That is excellent news for the whole team.",
+    "We also signed two new customers in the north region.",
+]
+VOICES = ("en-us+f3", "en-us+m3")
+PAUSE_S = 0.4
+
+
+@pytest.fixture(scope="module")
+def dialogue(tmp_path_factory):
+    """A conversation of two voices taking turns, and each turn's (start, end, voice)."""
+    folder = tmp_path_factory.mktemp("dialogue")
+    parts, truth, at = [], [], 0.0
+    for i, line in enumerate(TURNS):
+        audio = load_audio(synthesize(line, folder / f"turn{i}.wav", VOICES[i % 2], 150))
+        parts += [audio, np.zeros(int(PAUSE_S * SAMPLE_RATE), np.float32)]
+        truth.append((at, at + audio.size / SAMPLE_RATE, i % 2))
+        at += audio.size / SAMPLE_RATE + PAUSE_S
+    path = folder / "dialogue.wav"
+    sf.write(path, np.concatenate(parts), SAMPLE_RATE)
+    return path, truth
+
+
+def _labelled_right(spans, truth) -> float:
+    """The share of speech time whose label matches the voice, under the best naming of the labels."""
+    grid = np.arange(0.0, truth[-1][1], 0.01)
+    voice = np.full(grid.size, -1)
+    label = np.full(grid.size, -1)
+    for start, end, v in truth:
+        voice[(grid >= start) & (grid < end)] = v
+    names = sorted({s for _, _, s in spans})
+    for start, end, s in spans:
+        label[(grid >= start) & (grid < end)] = names.index(s)
+    speech = voice >= 0
+    return max(np.mean(label[speech] == voice[speech]), np.mean(label[speech] == 1 - voice[speech]))
+
+
+def test_two_voices_taking_turns_get_two_labels(engine4, dialogue):
+    path, truth = dialogue
+    transcript = engine4.submit(TranscribeRequest(path, timestamps=True, speakers="auto")).result(600)
+    labels = {s.speaker for s in transcript.segments}
+    assert labels == {"S1", "S2"} and transcript.stats["speakers"] == 2  # how many, found
+    assert _labelled_right([(s.start, s.end, s.speaker) for s in transcript.segments], truth) >= 0.9
+    turns = diarize(load_audio(path), 2)  # the turns themselves, the count given
+    assert {t.speaker for t in turns} == {"S1", "S2"}
+    assert _labelled_right([(t.start, t.end, t.speaker) for t in turns], truth) >= 0.9
+    names = {"S1": "Alice", "S2": "Bob"}
+    transcript.speaker_names = names
+    srt, txt = render(transcript, "srt"), render(transcript, "txt")
+    assert "[Alice]" in srt and "[Bob]" in srt and "Alice: " in txt and "Bob: " in txt
+    assert transcript.to_json()["speakers"] == names
+
+
+def test_one_voice_is_one_speaker(speech):
+    turns = diarize(load_audio(speech["report"]), "auto")
+    assert turns and {t.speaker for t in turns} == {"S1"}
+
+
+def test_bad_speaker_counts_are_one_sentence(capsys, speech):
+    for bad in ("0", "100", "many"):
+        with pytest.raises(RequestError):
+            parse_speakers(bad)
+        assert cli_main(["transcribe", str(speech["fox"]), "--speakers", bad]) == 2
+        message = capsys.readouterr().err.strip()
+        assert message.startswith("cadence: --speakers:") and message.count("\n") == 0 and "Traceback" not in message
+    assert parse_speakers("auto") == "auto" and parse_speakers("3") == 3 and parse_speakers("off") == "off"
