@@ -188,6 +188,10 @@ def resolve(name_or_path: str) -> ModelSource:
         raise ModelError("No model was named.")
     if text in BUILTIN_MODELS:
         return _builtin_source(BUILTIN_MODELS[text])
+    from engine.whisper.sizes import SIZES, locate
+
+    if text in SIZES:  # the larger Whisper models: a local folder, the hub cache, or the hub
+        return locate(text, _path_source, offline_alternatives())
     candidate = Path(text).expanduser()
     if candidate.exists() or text.startswith((".", "/", "~")) or os.sep in text and not _HUB_ID.match(text):
         return _path_source(candidate)
@@ -198,7 +202,8 @@ def resolve(name_or_path: str) -> ModelSource:
         src = _path_source(folder)
         return ModelSource(text, src.family, src.format, f"hub {text}", src.folder, src.weights)
     raise ModelError(
-        f"Unknown model '{text}'. Known models: {', '.join(BUILTIN_MODELS)}; or give a path or a hub id (org/name)."
+        f"Unknown model '{text}'. Known models: {', '.join(BUILTIN_MODELS)}, {', '.join(SIZES)}; or give a path or a "
+        f"hub id (org/name)."
     )
 
 
@@ -212,7 +217,10 @@ def list_models() -> list[dict]:
             available, detail = True, str(source.folder)
         except ModelError as exc:
             available, detail = False, str(exc)
+        size = sum(p.stat().st_size for p in source.weights) if available else 0
         rows.append({
+            "size": f"{size / 1e6:.0f} MB" if size else "",
+            "present": available,
             "name": model.name,
             "family": model.family,
             "format": model.format,
@@ -224,4 +232,6 @@ def list_models() -> list[dict]:
             "architecture": model.architecture,
             "supported_architectures": list(CHAT_ARCHITECTURES if model.family == CHAT else WHISPER_ARCHITECTURES),
         })
-    return rows
+    from engine.whisper.sizes import rows as larger_whispers
+
+    return rows + larger_whispers()

@@ -32,10 +32,12 @@ def cadence(*args, check_rc=None, stdin=None, data_dir=None):
 
 def test_models_json():
     rows = json.loads(cadence("models", "--json", check_rc=0).stdout)
-    assert {r["name"] for r in rows} == {"whisper-tiny.en", "whisper-base", "smollm2-135m-instruct"}
+    from engine.whisper.sizes import SIZES
+
+    assert {r["name"] for r in rows} == {"whisper-tiny.en", "whisper-base", "smollm2-135m-instruct", *SIZES}
     for r in rows:
-        assert {"name", "family", "source", "available"} <= set(r)
-        assert r["available"] is True
+        assert {"name", "family", "source", "available", "size", "present"} <= set(r)
+        assert r["available"] is True or r["name"] in SIZES
 
 
 # ---------------------------------------------------------------- transcribe
