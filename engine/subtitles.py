@@ -17,6 +17,8 @@ from engine.errors import RequestError
 
 SENTENCE_END = ".!?。！？…"
 CLAUSE_END = ",;:，、"
+CLINGING_WORDS = {"a", "an", "the", "to", "of", "and", "or", "in", "on", "at", "for", "with", "by", "from", "my",
+                  "your", "our", "their", "his", "her", "its", "this", "that"}
 PAUSE_S = 0.6  # a silence this long between two words ends the cue
 
 
@@ -108,6 +110,14 @@ def fits(text_words: list[str], max_chars: int, max_lines: int) -> bool:
     return lines <= max_lines
 
 
+def _break_cost(line: str) -> int:
+    """How bad a line break after ``line`` is: free after punctuation, worse after a little word that
+    belongs with the next one (an article, a preposition)."""
+    if line[-1] in SENTENCE_END + CLAUSE_END:
+        return 0
+    return 10 + (6 if line.rsplit(" ", 1)[-1].lower() in CLINGING_WORDS else 0)
+
+
 def wrap(text_words: list[str], max_chars: int, max_lines: int) -> list[str]:
     """The words as at most ``max_lines`` lines of at most ``max_chars`` characters (they must fit), as even
     as can be, a break after punctuation preferred."""
@@ -118,8 +128,7 @@ def wrap(text_words: list[str], max_chars: int, max_lines: int) -> list[str]:
         nonlocal best
         if start == len(pieces):
             lengths = [len(line) for line in lines]
-            cost = max(lengths) - min(lengths) + sum(0 if line[-1] in SENTENCE_END + CLAUSE_END else 6
-                                                      for line in lines[:-1])
+            cost = max(lengths) - min(lengths) + sum(_break_cost(line) for line in lines[:-1])
             if best is None or cost < best[0]:
                 best = (cost, list(lines))
             return
