@@ -132,6 +132,7 @@ class EngineBridge(QObject):
         self._lock = threading.Lock()
         self._engine_lock = threading.RLock()
         self._pending: deque[int] = deque()  # queued jobs not yet given to the engine
+        self._known: dict[str, dict] = {}  # file -> windows its live recording decoded (for its job to reuse)
         self._feed_lock = threading.RLock()  # held while submitting, and while the engine is replaced
         self._stop = threading.Event()
         self._rebuild_pending = False
@@ -210,11 +211,21 @@ class EngineBridge(QObject):
         self.engine_rebuilt.emit("The engine now runs with the new settings; models load again on first use.")
 
     # ------------------------------------------------------------------ transcription jobs
-    def add_paths(self, paths) -> list[int]:
+    def start_live(self):
+        """A live transcription for a recording starting now (engine.api.LiveHandle): feed it the blocks."""
+        from engine.api import LiveTranscribeRequest
+
+        s = self.settings
+        with self._engine_lock:
+            return self.engine.submit(LiveTranscribeRequest(model=s.transcription_model, language=s.language or None,
+                                                            timestamps=True, words=s.word_timestamps))
+
+    def add_paths(self, paths, known_windows: dict | None = None) -> list[int]:
         """Queue files and folders (searched recursively for audio and video). A few files are queued at
         once and their job ids returned; a large batch is queued on a thread of its own, in chunks
         (``jobs_added``), so the window stays responsive, and [] is returned. A path that is neither a
-        folder nor a file still gets a job, which fails with its sentence."""
+        folder nor a file still gets a job, which fails with its sentence. ``known_windows``: windows a
+        live recording of the (one) file decoded already, reused where identical."""
         files: list[Path] = []
         for item in paths:
             p = Path(item).expanduser()
@@ -224,7 +235,9 @@ class EngineBridge(QObject):
                 files.append(p)
         options = {"formats": self.settings.output_formats, "out": self.settings.output_folder or None,
                    "language": self.settings.language or None, "task": "transcribe",
-                   "windowing": self.settings.windowing, "timestamps": True}
+                   "windowing": self.settings.windowing, "timestamps": True, **self.settings.transcript_options()}
+        if known_windows is not None and len(files) == 1:
+            self._known[str(files[0].absolute())] = known_windows
         model = self.settings.transcription_model
         if len(files) <= ADD_AT_ONCE:
             return self._queue(files, model, options)
@@ -274,7 +287,7 @@ class EngineBridge(QObject):
             return
         try:
             with self._engine_lock:
-                handle = submit_job(self.engine, self.jobs, job_id)
+                handle = submit_job(self.engine, self.jobs, job_id, self._known.pop(job.path, None))
                 with self._lock:
                     self.live_jobs[job_id] = LiveJob(job_id, handle, job.model, Path(job.path).name, job.path,
                                                      timestamps=bool(job.options.get("timestamps")))

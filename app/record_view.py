@@ -1,4 +1,11 @@
-"""The Record tab: pick a microphone, watch the level, record / pause / stop; Stop queues the file."""
+"""The Record tab: pick a microphone, watch the level, record / pause / stop; Stop queues the file.
+
+While recording, the transcript appears window by window (live captions): every block the file gets
+is also fed to the engine (engine.api.LiveHandle), which decodes each window of speech a pause
+closes, ahead of queued files. Stop queues the saved file as any file is queued; the windows
+decoded live are reused where they are exactly the file's, so its transcript is what transcribing
+the file gives, and nothing recorded is lost.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import (
     QComboBox,
     QFormLayout,
+    QPlainTextEdit,
     QHBoxLayout,
     QLabel,
     QProgressBar,
@@ -16,6 +24,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.api import drain
 from engine.errors import CadenceError
 
 from app.recorder import Recorder, input_devices
@@ -44,6 +53,11 @@ class RecordView(QWidget):
         self.stop_button.clicked.connect(self.stop)
         self.message = QLabel()
         self.message.setWordWrap(True)
+        self.captions = QPlainTextEdit()
+        self.captions.setReadOnly(True)
+        self.captions.setPlaceholderText("While you record, what is said appears here, a few seconds behind.")
+        self.live = None  # the recording's live transcription (engine.api.LiveHandle)
+        self.live_lines: dict[int, list[tuple[float, str]]] = {}  # window -> its (start, text) lines
         form = QFormLayout()
         device_row = QHBoxLayout()
         device_row.addWidget(self.device, 1)
@@ -63,7 +77,8 @@ class RecordView(QWidget):
         layout.addLayout(form)
         layout.addLayout(buttons)
         layout.addWidget(self.message)
-        layout.addStretch(1)
+        layout.addWidget(QLabel("Live captions"))
+        layout.addWidget(self.captions, 1)
         self.timer = QTimer(self)
         self.timer.timeout.connect(self._tick)
         self.timer.start(50)
@@ -94,12 +109,14 @@ class RecordView(QWidget):
         self.stop_button.setEnabled(state != "idle")
         self.device.setEnabled(state == "idle" and self.has_input)
 
-    def record(self) -> None:
+    def record(self, **recorder_options) -> None:
+        """Start recording (``recorder_options`` go to Recorder.start: tests feed blocks themselves)."""
         try:
-            self.recorder.start(device=self.device.currentData())
+            self.recorder.start(device=self.device.currentData(), **recorder_options)
         except CadenceError as exc:
             self.message.setText(str(exc))
             return
+        self._start_live()
         self.bridge.settings.input_device = self.device.currentText().rsplit(" (", 1)[0]
         self.message.setText(f"Recording to {self.recorder.path.name}.")
         self._update_buttons()
@@ -111,20 +128,61 @@ class RecordView(QWidget):
             self.recorder.pause()
         self._update_buttons()
 
+    def _start_live(self) -> None:
+        """Captions for the recording just started: its blocks go to the engine as the file gets them."""
+        self.live_lines.clear()
+        self.captions.clear()
+        try:
+            self.live = self.bridge.start_live()
+        except CadenceError as exc:  # no captions, but the recording goes on
+            self.live = None
+            self.message.setText(f"Recording without live captions: {exc}")
+            return
+        self.recorder.on_block = self.live.feed
+
+    def _show_captions(self) -> None:
+        """The live transcription's new windows (a window decoded again as it grew replaces its lines)."""
+        if self.live is None:
+            return
+        changed = False
+        for event in drain(self.live.events, block=False):
+            if event.kind == "progress":
+                self.live_lines[event.index] = [(s.start, s.text) for s in event.segments]
+                changed = True
+            elif event.kind == "failed":
+                self.message.setText(f"Live captions stopped: {event.message}")
+            if event.terminal:
+                self.live = None
+                break
+        if changed:
+            lines = [f"{clock(start)}  {text}" for index in sorted(self.live_lines)
+                     for start, text in self.live_lines[index]]
+            self.captions.setPlainText("\n".join(lines))
+            self.captions.verticalScrollBar().setValue(self.captions.verticalScrollBar().maximum())
+
+    @property
+    def caption_text(self) -> str:
+        return self.captions.toPlainText()
+
     def stop(self) -> Path | None:
         """Save the recording and queue it; returns the file (None when nothing was recorded)."""
-        path = self.recorder.stop()
+        path = self.recorder.stop()  # every block written, and so fed to the live transcription
+        self.recorder.on_block = None
+        live = self.live
+        if live is not None:
+            live.stop()  # its last windows are still shown as they come
         self._update_buttons()
         if path is None:
             if self.recorder.error:
                 self.message.setText(self.recorder.error)
             return None
-        self.bridge.add_paths([path])
+        self.bridge.add_paths([path], known_windows=live.known if live is not None else None)
         self.message.setText(f"Saved {path.name} ({clock(self.recorder.seconds)}) and queued it for transcription.")
         self.recorded.emit(str(path))
         return path
 
     def _tick(self) -> None:
+        self._show_captions()
         if self.recorder.state == "idle":
             if self.level.value():
                 self.level.setValue(0)

@@ -77,6 +77,9 @@ class Recorder:
         self._writer: threading.Thread | None = None
         self._stream = None
         self._file = None
+        # Called on the writer thread with each block just written, and the rate: live captions follow
+        # the file exactly (engine.api.LiveHandle.feed).
+        self.on_block = None
 
     @property
     def seconds(self) -> float:
@@ -177,5 +180,7 @@ class Recorder:
             try:
                 self._file.write(block[:, : self.channels])
                 self.frames += len(block)
+                if self.on_block is not None:
+                    self.on_block(block[:, : self.channels], self.rate)
             except Exception as exc:  # disk full, file gone: say so, keep draining
                 self.error = f"The recording could not be written ({exc})."

@@ -12,8 +12,11 @@ from pathlib import Path
 
 from PySide6.QtCore import QSettings
 
+from engine.errors import CadenceError
 from engine.formats import FORMATS
 from engine.api import MIN_CONTEXT, PRECISIONS
+from engine.speakers import parse_speakers
+from engine.subtitles import SubtitleRules
 from engine.models import DEFAULT_CHAT, DEFAULT_WHISPER
 from engine.whisper.pipeline import WINDOWINGS
 
@@ -175,6 +178,47 @@ class Settings:
     @windowing.setter
     def windowing(self, value: str) -> None:
         self._set("transcription/windowing", value)
+
+    # ------------------------------------------------------------------ transcripts: speakers, words, subtitles
+    @property
+    def speakers(self) -> str:
+        """'off', 'auto' or a number of speakers (as text)."""
+        value = str(self._get("transcription/speakers", "off"))
+        try:
+            return str(parse_speakers(value))
+        except CadenceError:
+            return "off"
+
+    @speakers.setter
+    def speakers(self, value) -> None:
+        self._set("transcription/speakers", str(value))
+
+    @property
+    def word_timestamps(self) -> bool:
+        return str(self._get("transcription/word_timestamps", "false")).lower() in ("true", "1")
+
+    @word_timestamps.setter
+    def word_timestamps(self, on: bool) -> None:
+        self._set("transcription/word_timestamps", "true" if on else "false")
+
+    @property
+    def subtitle_rules(self) -> SubtitleRules:
+        stored = {key: self._get(f"subtitles/{key}", None) for key in SubtitleRules().to_options()}
+        try:
+            return SubtitleRules.from_options(stored)
+        except (CadenceError, TypeError, ValueError):
+            return SubtitleRules()
+
+    @subtitle_rules.setter
+    def subtitle_rules(self, rules: SubtitleRules) -> None:
+        for key, value in rules.to_options().items():
+            self._set(f"subtitles/{key}", value)
+
+    def transcript_options(self) -> dict:
+        """What a new job takes from here: speakers, word timestamps and subtitle rules."""
+        speakers = self.speakers
+        return {"speakers": int(speakers) if speakers.isdigit() else speakers, "words": self.word_timestamps,
+                "subtitles": self.subtitle_rules.to_options()}
 
     # ------------------------------------------------------------------ outputs
     @property

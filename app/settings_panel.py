@@ -14,6 +14,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
+    QDoubleSpinBox,
     QFileDialog,
     QFormLayout,
     QGroupBox,
@@ -26,6 +27,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.errors import CadenceError
+from engine.subtitles import SubtitleRules
 from engine.backend import available_backends, describe_backend, resolve_backend
 from engine.api import MIN_CONTEXT
 from engine.kernels import precisions_on
@@ -37,6 +40,8 @@ from engine.paths import cache_dir, data_dir
 from app.bridge import EngineBridge
 from app.settings import PRECISION_CHOICES, BACKENDS, DRAFTERS
 
+SPEAKER_CHOICES = (("Off", "off"), ("Tell apart, count them", "auto"),
+                   *((f"Tell apart: {n} speakers", str(n)) for n in range(2, 9)))
 WINDOWING_CHOICES = (("By voice activity (in pauses)", "vad"), ("Every 30 seconds", "fixed"))
 DRAFTER_LABELS = {"auto": "Automatic", "mtp": "MTP head", "ngram": "n-gram", "draft": "Draft model", "off": "Off"}
 PRECISION_LABELS = {"auto": "Automatic (measured per model)", "float32": "float32 (reference)",
@@ -159,6 +164,27 @@ class SettingsPanel(QWidget):
         mf.addRow("Save transcripts to", folder_row)
         mf.addRow("Formats saved", formats_row)
 
+        # speakers, words, subtitles -------------------------------------------
+        self.speakers = QComboBox()
+        for label, value in SPEAKER_CHOICES:
+            self.speakers.addItem(label, value)
+        self.speakers.setCurrentIndex(max(0, self.speakers.findData(s.speakers)))
+        self.word_timestamps = QCheckBox("Time each word (highlighted as the recording plays)")
+        self.word_timestamps.setChecked(s.word_timestamps)
+        rules = s.subtitle_rules
+        self.max_chars = QSpinBox(minimum=10, maximum=200, value=rules.max_chars)
+        self.max_lines = QSpinBox(minimum=1, maximum=5, value=rules.max_lines)
+        self.min_cue = QDoubleSpinBox(minimum=0.1, maximum=10.0, singleStep=0.1, value=rules.min_duration, suffix=" s")
+        self.max_cue = QDoubleSpinBox(minimum=0.5, maximum=30.0, singleStep=0.5, value=rules.max_duration, suffix=" s")
+        transcripts_box = QGroupBox("Speakers, words and subtitles")
+        tf = QFormLayout(transcripts_box)
+        tf.addRow("Speakers", self.speakers)
+        tf.addRow(self.word_timestamps)
+        tf.addRow("Subtitle characters per line", self.max_chars)
+        tf.addRow("Subtitle lines per cue", self.max_lines)
+        tf.addRow("Shortest cue", self.min_cue)
+        tf.addRow("Longest cue", self.max_cue)
+
         # where files live -----------------------------------------------------
         places = QGroupBox("Where files live")
         pf = QFormLayout(places)
@@ -181,6 +207,7 @@ class SettingsPanel(QWidget):
         columns.addWidget(engine_box, 1)
         right = QVBoxLayout()
         right.addWidget(models_box)
+        right.addWidget(transcripts_box)
         right.addWidget(places)
         columns.addLayout(right, 1)
         layout.addLayout(columns)
@@ -236,7 +263,14 @@ class SettingsPanel(QWidget):
         s.windowing = self.windowing.currentData()
         s.output_folder = self.output_folder.text().strip()
         s.output_formats = [f for f, box in self.formats.items() if box.isChecked()] or ["txt"]
+        s.speakers = self.speakers.currentData()
+        s.word_timestamps = self.word_timestamps.isChecked()
         notes = ["Saved. Models, language, windows and outputs apply to files and chats added from now on."]
+        try:
+            s.subtitle_rules = SubtitleRules(max_chars=self.max_chars.value(), max_lines=self.max_lines.value(),
+                                             min_duration=self.min_cue.value(), max_duration=self.max_cue.value())
+        except CadenceError as exc:
+            notes.append(f"The subtitle rules were not changed: {exc}")
         if s.engine_choice() != before:
             notes.append(self.bridge.apply_engine_settings())
         text = " ".join(notes)

@@ -6,15 +6,23 @@ from pathlib import Path
 
 from engine.errors import CadenceError
 from engine.formats import render
-from engine.transcript import Segment, Transcript
+from engine.subtitles import SubtitleRules
+from engine.transcript import Segment, Transcript, Word
 
 
 def transcript_from_json(data: dict) -> Transcript:
-    """The engine's Transcript from the JSON a finished job keeps, so engine.formats can render it."""
-    segments = [Segment(float(s["start"]), float(s["end"]), str(s["text"])) for s in data.get("segments") or []]
+    """The engine's Transcript from the JSON a finished job keeps (with its speakers' names as given),
+    so engine.formats can render it."""
+    segments = []
+    for s in data.get("segments") or []:
+        words = [Word(float(w["start"]), float(w["end"]), str(w["word"]), float(w.get("probability", 0.0)))
+                 for w in s["words"]] if s.get("words") is not None else None
+        segments.append(Segment(float(s["start"]), float(s["end"]), str(s["text"]), words=words,
+                                speaker=s.get("speaker")))
     return Transcript(file=str(data.get("file") or ""), text=str(data.get("text") or ""),
                       language=str(data.get("language") or ""), duration=float(data.get("duration") or 0.0),
-                      segments=segments, stats=dict(data.get("stats") or {}))
+                      segments=segments, stats=dict(data.get("stats") or {}),
+                      speaker_names=dict(data.get("speaker_names") or {}))
 
 
 def clock(seconds: float | None) -> str:
@@ -46,16 +54,17 @@ def write_outputs(job, transcript) -> list[Path]:
     targets = output_targets(job)
     if targets:
         targets[0].parent.mkdir(parents=True, exist_ok=True)
+    rules = SubtitleRules.from_options((job.options or {}).get("subtitles"))
     for target in targets:
-        target.write_text(render(transcript, target.suffix[1:]), encoding="utf-8")
+        target.write_text(render(transcript, target.suffix[1:], rules), encoding="utf-8")
     return targets
 
 
-def export_transcript(result: dict, path: str | Path) -> Path:
+def export_transcript(result: dict, path: str | Path, rules: SubtitleRules | None = None) -> Path:
     """Write a stored transcript (a finished job's result) to ``path``; the suffix picks the format."""
     path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
     if fmt not in ("txt", "srt", "vtt", "json"):
         raise CadenceError(f"Transcripts export to .txt, .srt, .vtt or .json (not '{path.suffix or path.name}').")
-    path.write_text(render(transcript_from_json(result), fmt), encoding="utf-8")
+    path.write_text(render(transcript_from_json(result), fmt, rules), encoding="utf-8")
     return path

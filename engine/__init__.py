@@ -18,6 +18,7 @@ _PUBLIC = {
     "ChatRequest": "engine.api",
     "DocumentChatRequest": "engine.api",
     "TranscribeRequest": "engine.api",
+    "LiveTranscribeRequest": "engine.api",
     "ChatAnswer": "engine.api",
     "Handle": "engine.api",
     "Event": "engine.api",

@@ -129,6 +129,21 @@ class TranscribeRequest:
     on_window: Callable | None = None
 
 
+@dataclass
+class LiveTranscribeRequest:
+    """A recording transcribed while it is made: submitting it returns a :class:`LiveHandle` to feed the
+    recorder's blocks to; each window of speech closed by a pause comes back as a ``progress`` event,
+    decoded ahead of queued files."""
+
+    model: str = DEFAULT_WHISPER
+    language: str | None = None
+    task: str = "transcribe"
+    name: str = "recording"
+    timestamps: bool = True
+    words: bool = False
+    on_window: Callable | None = None  # as TranscribeRequest's: (index, WindowResult) on the engine thread
+
+
 # ---------------------------------------------------------------------------- results
 @dataclass
 class PromptFitting:
@@ -287,6 +302,29 @@ class Handle:
         self.cancelled = True
         if self._on_cancel is not None:
             self._on_cancel(self)
+
+
+class LiveHandle(Handle):
+    """A live recording's handle: ``feed`` each block as the file gets it (any thread), ``stop`` at the
+    end. ``known`` holds the windows decoded so far, for the saved file's transcription to reuse
+    (``TranscribeRequest.known_windows``); it is filled on the engine thread and read there."""
+
+    def __init__(self, request, on_cancel=None, on_end=None, on_feed=None, on_stop=None):
+        super().__init__(request, on_cancel=on_cancel, on_end=on_end)
+        self._on_feed, self._on_stop = on_feed, on_stop
+        self.known: dict = {}
+        self.stopped = False
+
+    def feed(self, block, rate: int) -> None:
+        """A block of samples [frames, channels] (float, as the recorder got it) at ``rate`` Hz."""
+        if not self.stopped and not self.ended:
+            self._on_feed(self, block, rate)
+
+    def stop(self) -> None:
+        """No more audio: the last windows are decoded and the handle finishes."""
+        if not self.stopped:
+            self.stopped = True
+            self._on_stop(self)
 
 
 # ---------------------------------------------------------------------------- reading events

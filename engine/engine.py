@@ -24,6 +24,8 @@ from engine.api import (
     PRECISION_ENV,
     ChatRequest,
     Handle,
+    LiveHandle,
+    LiveTranscribeRequest,
     TranscribeRequest,
     parse_batch,
     parse_context,
@@ -95,6 +97,8 @@ class Engine:
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadence-audio")
         # Speakers are told apart on a thread of their own, beside decoding (engine.speakers).
         self._speakers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadence-speakers")
+        self._live_feed = None  # engine.whisper.live.LiveFeed, from the first live recording on
+        self._live_runs: dict[int, object] = {}  # handle id -> its LiveRun
         self._reading: dict[int, Handle] = {}  # handle id -> a transcription whose audio is being read
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cadence-engine", daemon=True)
@@ -104,7 +108,10 @@ class Engine:
     def submit(self, request) -> Handle:
         if self._stop.is_set():
             raise CadenceError("The engine has been shut down.")
-        handle = Handle(request, on_cancel=self.cancel, on_end=self._forget)
+        if isinstance(request, LiveTranscribeRequest):
+            handle = self._live_handle(request)
+        else:
+            handle = Handle(request, on_cancel=self.cancel, on_end=self._forget)
         self._commands.put(("submit", handle))
         return handle
 
@@ -112,6 +119,7 @@ class Engine:
         """A request ended: the engine keeps nothing of it."""
         self._work.pop(handle.id, None)
         self._reading.pop(handle.id, None)
+        self._live_runs.pop(handle.id, None)
 
     def cancel(self, handle: Handle) -> None:
         handle.cancelled = True
@@ -124,6 +132,8 @@ class Engine:
         self._thread.join(timeout)
         self._reader.shutdown(wait=True, cancel_futures=True)
         self._speakers.shutdown(wait=False, cancel_futures=True)
+        if self._live_feed is not None:
+            self._live_feed.shutdown()
         for handle in list(self._reading.values()):  # files still being read (or never started) when it stopped
             handle.fail("The engine was shut down.")
         # A submit that raced the stop command was queued behind it: it still gets its final event.
@@ -285,6 +295,8 @@ class Engine:
                 self._planned(*handle)
             elif command == "call":  # work handed back to the engine thread (speakers told apart)
                 handle()
+            elif command == "live":  # a live recording's closed windows
+                self._live_windows(*handle)
             elif command == "cancel":
                 for seq in self._work.get(handle.id, []):
                     seq.cancelled = True
@@ -346,6 +358,8 @@ class Engine:
                 from engine.chat.run import ChatRun
 
                 return ChatRun(handle, self.lane(request.model, CHAT), self.reference(request.model)).start()
+            if isinstance(request, LiveTranscribeRequest):
+                return self._start_live(handle)
             if isinstance(request, TranscribeRequest):
                 self.lane(request.model, WHISPER)  # load the model here: its errors fail the request now
                 self._reading[handle.id] = handle
@@ -354,6 +368,50 @@ class Engine:
             raise CadenceError(f"Unknown request type {type(request).__name__}.")
 
         self._begin(handle, start)
+
+    # live recordings ------------------------------------------------------------
+    def _live_handle(self, request: LiveTranscribeRequest) -> LiveHandle:
+        from engine.whisper.live import LiveAudio, LiveFeed
+
+        if self._live_feed is None:
+            self._live_feed = LiveFeed(self._commands.put)
+        handle = LiveHandle(request, on_cancel=self.cancel, on_end=self._forget,
+                            on_feed=lambda h, block, rate: self._live_feed.feed(h, h.audio, block, rate),
+                            on_stop=lambda h: self._live_feed.stop(h, h.audio))
+        handle.audio = LiveAudio()
+        return handle
+
+    def _start_live(self, handle: LiveHandle) -> list:
+        """Engine thread: the recording's model and plan; its windows come as the recording closes them."""
+        from engine.whisper.live import LiveRun
+        from engine.whisper.pipeline import TranscriptionPlan, check_language
+
+        request = handle.request
+        try:
+            lane, reference = self.lane(request.model, WHISPER), self.reference(request.model)
+            language = check_language(reference.tok, reference.loaded.source.name, request.language, request.task)
+            plan = TranscriptionPlan(request.name, language, [], 0.0, [], time.perf_counter(), set(), request.task,
+                                     timestamps=request.timestamps, words=request.words)
+            if language is not None:
+                plan.set_prompt(reference.tok)
+            handle.audio.n_mels = reference.model.config.num_mel_bins
+            run = self._live_runs[handle.id] = LiveRun(handle, lane, reference, plan, handle.known)
+            return run.start()
+        finally:
+            handle.audio.ready.set()  # the recording's audio is worked on from here (or dropped, on failure)
+
+    def _live_windows(self, handle: LiveHandle, windows, final: bool) -> None:
+        run = self._live_runs.get(handle.id)
+        if run is None or handle.ended:
+            return
+        if isinstance(windows, Exception):
+            handle.fail(f"The live transcription stopped ({windows.__class__.__name__}: {windows}); details are in "
+                        f"{record_fault(windows)}.")
+            return
+        try:
+            run.add_windows(windows, final)
+        except CadenceError as exc:
+            handle.fail(str(exc))
 
     def _begin(self, handle: Handle, start: Callable[[], list | None]) -> None:
         """Run a request's start on the engine thread; any failure becomes its one-sentence event."""

@@ -1,14 +1,16 @@
 """Who spoke when: voice embeddings of the speech, clustered into speakers, turned into speaker turns.
 
 The voice encoder is Resemblyzer's (a 3-layer LSTM over 40-band mel spectrograms, trained for
-speaker verification; Apache-2.0, its weights ship inside the ``resemblyzer`` package, read here
+speaker verification; Apache-2.0; its weights ship inside the ``resemblyzer`` package and are read
 with ``torch.load(weights_only=True)`` without importing the package, whose audio code needs other
 libraries). Every stretch of speech the voice activity detector finds is cut into overlapping 1.6-s
 pieces; each piece gets a 256-number voice print; the prints are grouped by agglomerative
-clustering (Ward's linkage on the unit vectors, scikit-learn), into the number of speakers asked for, or, with
-"auto", into as many as keep every two groups' mean voice prints clearly apart (cosine similarity
-below 0.8; splitting one voice in two gives groups above it), each with a few seconds of speech. Each 10-ms frame of speech takes the speaker of the pieces over it; runs of one speaker
-are the turns. It runs on a thread of its own beside decoding (see engine.engine), never in a step.
+clustering (Ward's linkage on the unit vectors, scikit-learn) into the number of speakers asked
+for, or, with "auto", into as many as keep every two groups' mean voice prints clearly apart
+(cosine similarity below 0.8: splitting one voice in two gives groups above it), each with a few
+seconds of speech. Each 10-ms frame of speech takes the speaker of the pieces over it; runs of one
+speaker are the turns. It runs on a thread of its own beside decoding (see engine.engine), never in
+a step, with the LSTM in NumPy on one thread, so it does not compete for PyTorch's thread pool.
 """
 
 from __future__ import annotations

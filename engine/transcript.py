@@ -81,6 +81,8 @@ class Transcript:
         if any(s.speaker is not None for s in self.segments):
             ids = sorted({s.speaker for s in self.segments if s.speaker is not None}, key=speaker_order)
             out["speakers"] = {i: self.speaker_name(i) for i in ids}
+        if self.speaker_names:
+            out["speaker_names"] = dict(self.speaker_names)
         return out
 
 

@@ -47,16 +47,26 @@ def log_mel(samples: np.ndarray, n_mels: int = 80) -> np.ndarray:
     half = N_FFT // 2
     audio = np.pad(audio, (half, half), mode="reflect")
     n_frames = 1 + (audio.size - N_FFT) // HOP_LENGTH
-    frames = np.lib.stride_tricks.as_strided(
-        audio, (n_frames, N_FFT), (HOP_LENGTH * audio.strides[0], audio.strides[0])
-    )
+    log_spec = log_mel_frames(audio, 0, n_frames - 1, n_mels)  # the last frame is left out, as Whisper does
+    return normalize(log_spec, float(log_spec.max()))
+
+
+def log_mel_frames(padded: np.ndarray, first: int, count: int, n_mels: int) -> np.ndarray:
+    """log10 mel power (n_mels, count) of frames ``first``.. of a signal already padded by N_FFT // 2 in
+    front: frame i reads ``padded[i * HOP_LENGTH : i * HOP_LENGTH + N_FFT]``. Each frame's values depend
+    on its own samples only, so a recording's frames can be computed as it grows (engine.whisper.live)."""
+    base = padded[first * HOP_LENGTH:]
+    frames = np.lib.stride_tricks.as_strided(base, (count, N_FFT), (HOP_LENGTH * base.strides[0], base.strides[0]))
     window = np.hanning(N_FFT + 1)[:-1].astype(np.float32)
     spectrum = np.fft.rfft(frames * window, n=N_FFT, axis=-1).astype(np.complex64).T
-    power = np.abs(spectrum[:, :-1]) ** 2
+    power = np.abs(spectrum) ** 2
     mel = mel_filters(n_mels) @ power
-    log_spec = np.log10(np.clip(mel, 1e-10, None))
-    log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
-    return ((log_spec + 4.0) / 4.0).astype(np.float32)
+    return np.log10(np.clip(mel, 1e-10, None))
+
+
+def normalize(log_spec: np.ndarray, top: float) -> np.ndarray:
+    """Whisper's scaling of log10 mel power: floored 8 (80 dB) below the clip's loudest value ``top``."""
+    return ((np.maximum(log_spec, top - 8.0) + 4.0) / 4.0).astype(np.float32)
 
 
 def pad_window(features: np.ndarray, length: int = WINDOW_FRAMES) -> np.ndarray:

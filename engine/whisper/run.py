@@ -38,6 +38,8 @@ from engine.whisper.timestamps import TimestampRules
 class TranscriptionRun:
     """A planned file's windows on ``lane`` (whose decoder is Whisper's), ``reference`` giving the rules."""
 
+    urgent = False  # its sequences join before others (a live recording's, see engine.whisper.live)
+
     def __init__(self, handle: Handle, lane, reference: WhisperReference, plan: TranscriptionPlan,
                  call_soon: Callable[[Callable[[], None]], None] | None = None):
         """``call_soon`` runs a function on the engine thread later (once the speakers are told apart)."""
@@ -95,7 +97,7 @@ class TranscriptionRun:
                        on_finish=self._on_finish, handle=self.handle, index=index, size=size,
                        window=WindowState(probe_row=plan.prompt.index(ref.tok.sot),
                                           token_probs=[] if plan.words else None),
-                       follow_on=self._align if plan.words else None)
+                       follow_on=self._align if plan.words else None, urgent=self.urgent)
         self.features[seq] = window
         self.lane.add(seq)
         self.seqs.append(seq)

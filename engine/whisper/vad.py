@@ -82,23 +82,37 @@ class SileroVad:
         if chunks.shape[0] == 0:
             return np.zeros(0, dtype=np.float32)
         context = np.concatenate([np.zeros((1, CONTEXT), np.float32), chunks[:-1, -CONTEXT:]])
-        h = c = np.zeros((1, 1, 128), np.float32)
+        state = self.initial_state()
         out = []
         for start in range(0, chunks.shape[0], BLOCK):  # a block at a time, the LSTM state carried over
-            block = np.concatenate([context[start : start + BLOCK], chunks[start : start + BLOCK]], 1)
-            probs, h, c = self.session.run(None, {"input": block, "h": h, "c": c})
-            out.append(np.asarray(probs, dtype=np.float32).reshape(-1))
+            probs, state = self.block(chunks[start : start + BLOCK], context[start : start + BLOCK], state)
+            out.append(probs)
         return np.concatenate(out)
+
+    @staticmethod
+    def initial_state() -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros((1, 1, 128), np.float32), np.zeros((1, 1, 128), np.float32)
+
+    def block(self, chunks: np.ndarray, context: np.ndarray, state) -> tuple[np.ndarray, tuple]:
+        """Probabilities of up to BLOCK chunks [n, CHUNK], each with the CONTEXT samples before it, from
+        the LSTM ``state`` after the chunks before them; and the state after them."""
+        probs, h, c = self.session.run(None, {"input": np.concatenate([context, chunks], 1), "h": state[0],
+                                              "c": state[1]})
+        return np.asarray(probs, dtype=np.float32).reshape(-1), (h, c)
 
 
 _MODEL: SileroVad | None = None
 
 
-def speech_probabilities(samples: np.ndarray) -> np.ndarray:
+def detector() -> SileroVad:
     global _MODEL
     if _MODEL is None:
         _MODEL = SileroVad()
-    return _MODEL(samples)
+    return _MODEL
+
+
+def speech_probabilities(samples: np.ndarray) -> np.ndarray:
+    return detector()(samples)
 
 
 def speech_regions(probs: np.ndarray, n_samples: int, opts: VadOptions = VadOptions()) -> list[tuple[int, int]]:

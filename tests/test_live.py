@@ -1,0 +1,134 @@
+"""Live captions: a recording fed block by block through the recorder's own path is captioned window
+by window while it is recorded, ahead of queued files, and its final transcript after Stop is the one
+transcribing the saved file gives (windows decoded live reused where identical); nothing is lost."""
+
+import shutil
+import threading
+
+import numpy as np
+import soundfile as sf
+from app_support import app_home, open_window, wait_jobs_settled  # noqa: F401
+from conftest import SPEECH, synthesize
+
+from app.recorder import Recorder
+from engine import LiveTranscribeRequest, TranscribeRequest
+from engine.whisper.live import LiveAudio
+
+BLOCK = 480  # frames per callback at 48 kHz
+
+
+def _speech_48k(folder, names=("fox", "report", "budget")):
+    parts = []
+    for name in names:
+        voice, rate, text = SPEECH[name]
+        samples, sr = sf.read(synthesize(text, folder / f"{name}-48k.wav", voice, rate, sample_rate=48000),
+                              dtype="float32")
+        parts += [samples, np.zeros(sr // 2, np.float32)]
+    return np.concatenate(parts)
+
+
+def _feed(recorder: Recorder, samples: np.ndarray) -> None:
+    """The samples block by block from another thread, as PortAudio's callback delivers them."""
+    def run():
+        for start in range(0, len(samples), BLOCK):
+            block = samples[start : start + BLOCK].reshape(-1, 1)
+            recorder.callback(block, len(block), None, None)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+
+
+def _segments(transcript):
+    return [(round(s.start, 3), round(s.end, 3), s.text) for s in transcript.segments]
+
+
+def test_live_audio_is_the_files_audio_frame_for_frame(tmp_path):
+    """The live side's voice activity and log-mel frames equal the saved file's, bit for bit."""
+    from engine.audio import load_audio
+    from engine.whisper.features import log_mel, log_mel_frames, normalize
+    from engine.whisper.vad import speech_probabilities
+
+    speech = _speech_48k(tmp_path, ("fox", "report"))
+    recorder = Recorder(tmp_path)
+    live = LiveAudio()
+    live.n_mels = 80
+    live.ready.set()
+    recorder.on_block = live.add
+    recorder.start(rate=48000, open_stream=False)
+    _feed(recorder, speech)
+    path = recorder.stop()
+    live.collector._flush()
+    live.update(final=True)
+    samples = load_audio(path)
+    assert np.array_equal(live.samples, samples)
+    assert np.array_equal(live._voice(True), speech_probabilities(samples))
+    inner = live.frames - 2  # the file's last frames also see its end padding
+    padded = np.pad(np.pad(samples, (0, 160)), (200, 200), mode="reflect")
+    assert np.array_equal(live.spectrum[:, :inner], log_mel_frames(padded, 0, inner, 80))
+    assert np.array_equal(normalize(live.spectrum[:, :inner], live.top), log_mel(samples)[:, :inner])
+
+
+def test_recording_is_captioned_live_and_its_transcript_is_the_files(engine4, tmp_path):
+    speech = _speech_48k(tmp_path)
+    recorder = Recorder(tmp_path)
+    live = engine4.submit(LiveTranscribeRequest(timestamps=True))
+    recorder.on_block = live.feed
+    recorder.start(rate=48000, open_stream=False)
+    _feed(recorder, speech)
+    captions = []
+    for event in live:  # captions come while the recording is still running
+        if event.kind == "progress":
+            captions.append(event.text)
+            break
+    assert recorder.state == "recording" and captions and captions[0]
+    path = recorder.stop()
+    live.stop()
+    for event in live:
+        if event.kind == "progress":
+            captions.append(event.text)
+    assert live.final.kind == "finished"
+    final = engine4.submit(TranscribeRequest(path, timestamps=True, known_windows=live.known)).result(600)
+    plain = engine4.submit(TranscribeRequest(path, timestamps=True)).result(600)
+    assert _segments(final) == _segments(plain) and "quarterly report" in final.text.lower()
+    assert final.stats.get("reused_windows", 0) >= 1  # the live work was used, not redone
+    assert "finance" in " ".join(captions).lower()
+
+
+def test_captions_are_served_before_fifty_queued_files(engine4, speech, tmp_path):
+    copies = []
+    for i in range(50):
+        copies.append(tmp_path / f"queued-{i}.wav")
+        shutil.copy(speech["report"], copies[-1])
+    handles = [engine4.submit(TranscribeRequest(p)) for p in copies]
+    live = engine4.submit(LiveTranscribeRequest(timestamps=True))
+    samples = _speech_48k(tmp_path, ("fox",))
+    for start in range(0, len(samples), BLOCK):
+        live.feed(samples[start : start + BLOCK].reshape(-1, 1), 48000)
+    live.stop()
+    first = next(e for e in live if e.kind in ("progress", "failed"))
+    unfinished = sum(not h.ended for h in handles)
+    for h in handles:
+        h.cancel()
+    assert first.kind == "progress" and "fox" in first.text.lower()
+    assert unfinished >= 25, f"the caption waited for {50 - unfinished} of 50 files"
+
+
+def test_record_tab_shows_captions_and_queues_the_same_transcript(qtbot, app_home, tmp_path):  # noqa: F811
+    speech = _speech_48k(tmp_path)
+    window = open_window(qtbot, app_home())
+    view = window.recording
+    view.record(rate=48000, open_stream=False)
+    assert view.live is not None
+    _feed(view.recorder, speech)
+    qtbot.waitUntil(lambda: "fox" in view.caption_text.lower(), timeout=180000)
+    assert view.recorder.state == "recording"  # shown while recording
+    path = view.stop()
+    qtbot.waitUntil(lambda: "finance" in view.caption_text.lower(), timeout=180000)
+    wait_jobs_settled(qtbot, window, timeout=300)
+    [job] = window.bridge.jobs.list()
+    assert job.state == "done" and job.path == str(path)
+    plain = window.bridge.engine.submit(TranscribeRequest(path, timestamps=True)).result(600)
+    assert job.result["text"] == plain.text
+    assert [(s["start"], s["end"], s["text"]) for s in job.result["segments"]] == \
+        [(round(s.start, 3), round(s.end, 3), s.text) for s in plain.segments]
