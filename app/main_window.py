@@ -109,15 +109,17 @@ class MainWindow(QMainWindow):
     def _models_tab(self) -> QWidget:
         page = QWidget()
         layout = QVBoxLayout(page)
-        intro = QLabel("Models Cadence can run on this machine. They install as ordinary packages, so nothing is "
-                       "downloaded when you use them.")
+        intro = QLabel("Models Cadence can run on this machine. The defaults install as ordinary packages, so nothing "
+                       "is downloaded when you use them. The larger Whisper models are used by name once their folder "
+                       "is in the models folder of your data (or, with a network, downloaded on first use).")
         intro.setWordWrap(True)
         layout.addWidget(intro)
         rows = list_models()
-        self.models_table = QTableWidget(len(rows), 5)
-        self.models_table.setHorizontalHeaderLabels(["Model", "Kind", "Available", "Source", "Description"])
+        self.models_table = QTableWidget(len(rows), 6)
+        self.models_table.setHorizontalHeaderLabels(["Model", "Kind", "Size", "Here", "Source", "Description"])
         for i, row in enumerate(rows):
-            values = [row["name"], row["family"], "yes" if row["available"] else "no", row["source"], row["description"]]
+            values = [row["name"], row["family"], row.get("size", ""), "yes" if row["available"] else "no",
+                      row["source"], row["description"]]
             for j, value in enumerate(values):
                 item = QTableWidgetItem(value)
                 item.setFlags(item.flags() & ~Qt.ItemIsEditable)

@@ -15,8 +15,13 @@ def test_main_window_opens_with_every_view_and_lists_models(qtbot, app_home):  #
     tabs = [window.tabs.tabText(i) for i in range(window.tabs.count())]
     assert tabs == ["Transcribe", "Record", "Chats", "Engine", "Settings", "Models"]
     table = window.models_table
+    from engine.whisper.sizes import SIZES
+
     names = {table.item(r, 0).text() for r in range(table.rowCount())}
-    assert names == {"whisper-tiny.en", "whisper-base", "smollm2-135m-instruct"}
+    assert names == {"whisper-tiny.en", "whisper-base", "smollm2-135m-instruct", *SIZES}
+    rows = {table.item(r, 0).text(): [table.item(r, c).text() for c in range(table.columnCount())]
+            for r in range(table.rowCount())}
+    assert rows["whisper-large-v3"][2] == "3.1 GB" and rows["whisper-tiny.en"][3] == "yes"  # size, and here
     assert not window.windowIcon().isNull()
     # This machine has no microphone: the Record tab says so plainly and offers no Record button.
     assert "no microphone" in window.recording.message.text()
