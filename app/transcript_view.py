@@ -40,7 +40,6 @@ from engine.errors import CadenceError
 from app.bridge import EngineBridge
 from app.player import Player
 from app.transcripts import clock, export_transcript
-from engine.subtitles import SubtitleRules
 from engine.transcript import default_speaker_name
 
 SPEAKER = 3  # the speaker column (after the text, which stays column 2)
