@@ -19,7 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -37,26 +37,13 @@ from engine.picking import TokenPicker
 from engine.sampling import SamplingParams
 from engine.seam import BatchedDecoder, StepBatch
 
+if TYPE_CHECKING:
+    from engine.whisper.window import WindowState
+
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 64  # prompt rows a joining sequence feeds per step, so running slots keep moving
 PREPARE_BUDGET_MS = 1000.0  # a lane alone prepares joining sequences for up to this long before a step
-
-
-@dataclass
-class WindowState:
-    """What a Whisper window needs beyond a plain sequence, attached to it as ``Sequence.window``: the
-    logits of one prompt row (the no-speech check) and the sum of its chosen tokens' log-probabilities
-    (the confidence check)."""
-
-    probe_row: int  # the prompt row whose logits are kept
-    probe_logits: torch.Tensor | None = None
-    logprob_sum: float = 0.0
-    token_probs: list[float] | None = None  # each token's probability as chosen, where words are timed
-    # Word alignment: once decoded, the window's text is read again in its slot (the prompt is all it
-    # runs) and the alignment heads' cross-attention scores of its rows are kept, a tensor per step.
-    aligning: bool = False
-    attention: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(eq=False)

@@ -15,7 +15,8 @@ import torch
 from engine.api import Finished, Handle, Progress, TranscriptionStarted
 from engine.drafting import DraftCounts
 from engine.errors import CadenceError, record_fault
-from engine.scheduler import Sequence, WindowState
+from engine.scheduler import Sequence
+from engine.whisper.window import WindowState
 from engine.whisper.pipeline import (
     LOOP_MIN_TOKENS,
     TranscriptionPlan,
