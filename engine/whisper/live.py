@@ -149,6 +149,8 @@ class LiveRun(TranscriptionRun):
         self.known = known
         self.stopped = False
         self.starts: dict[int, int] = {}  # first frame -> the window index shown for it
+        self.latest: dict[int, int] = {}  # first frame -> the plan index of its latest (largest) decoding
+        self.superseded: set[int] = set()  # plan indices whose window grew before they were decoded
 
     def start(self) -> list:
         plan, handle = self.plan, self.handle
@@ -161,6 +163,13 @@ class LiveRun(TranscriptionRun):
             index = len(self.plan.spans)
             self.plan.spans.append((seek, size, features))
             self.plan.duration = max(self.plan.duration, (seek + size) / FRAMES_PER_SECOND)
+            earlier = self.latest.get(seek)
+            self.latest[seek] = index
+            if earlier is not None and earlier not in self.results:  # the window grew: its older decoding goes
+                self.superseded.add(earlier)
+                for seq in self.seqs:
+                    if seq.index == earlier:
+                        seq.cancelled = True
             if silent:
                 self.results[index] = self.plan.silent_result()
                 continue
@@ -173,6 +182,14 @@ class LiveRun(TranscriptionRun):
         if final:
             self.stopped = True
             self._finish_if_complete()
+
+    def _on_finish(self, seq) -> None:
+        if seq.index in self.superseded:  # not an error: a larger decoding of its window replaces it
+            self.results.setdefault(seq.index, self.plan.silent_result())
+            self.decoding.pop(seq.index, None)
+            self._finish_if_complete()
+            return
+        super()._on_finish(seq)
 
     def _report(self, index: int, window, earlier: bool = False) -> None:
         """A window's captions, as ``progress`` whose ``index`` is the same for every decoding of a window
