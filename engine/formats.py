@@ -35,14 +35,9 @@ def to_txt(t: Transcript, rules: SubtitleRules | None = None) -> str:
 
 
 def _cue_texts(t: Transcript, rules: SubtitleRules | None):
-    """(start, end, text) of each cue, the speaker's name before the first cue of each turn."""
-    speaker = None
-    for cue in cues(t, rules or SubtitleRules()):
-        lines = list(cue.lines)
-        if cue.speaker is not None and cue.speaker != speaker and lines:
-            lines[0] = f"[{t.speaker_name(cue.speaker)}] {lines[0]}"
-        speaker = cue.speaker
-        yield cue.start, cue.end, "\n".join(lines)
+    """(start, end, text) of each cue, the speaker's name starting the first cue of each turn."""
+    for cue in cues(t, rules or SubtitleRules(), labels=True):
+        yield cue.start, cue.end, "\n".join(cue.lines)
 
 
 def to_srt(t: Transcript, rules: SubtitleRules | None = None) -> str:

@@ -155,10 +155,23 @@ def _joins(group: list[_Timed], word: _Timed, rules: SubtitleRules) -> bool:
                 or not fits([w.text for w in group] + [word.text], rules.max_chars, rules.max_lines))
 
 
-def cues(transcript, rules: SubtitleRules = SubtitleRules()) -> list[Cue]:
-    """The transcript's cues under ``rules``."""
+def _labelled(words: list[_Timed], transcript) -> list[_Timed]:
+    """The first word of each speaker's turn carries the speaker's name, ``[Name] word``, so the name
+    counts in the line it starts (it stays within the rules) and is never left alone on a line."""
+    speaker = None
+    for word in words:
+        if word.speaker is not None and word.speaker != speaker:
+            word.text = f"[{transcript.speaker_name(word.speaker)}] {word.text}"
+        speaker = word.speaker
+    return words
+
+
+def cues(transcript, rules: SubtitleRules = SubtitleRules(), labels: bool = False) -> list[Cue]:
+    """The transcript's cues under ``rules``; ``labels``: each speaker turn's first cue starts with the
+    speaker's name (see _labelled)."""
     groups: list[list[_Timed]] = []
-    for word in _timed_words(transcript):
+    words = _timed_words(transcript)
+    for word in _labelled(words, transcript) if labels else words:
         if groups and _joins(groups[-1], word, rules):
             groups[-1].append(word)
             continue

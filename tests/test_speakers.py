@@ -13,6 +13,7 @@ from engine.audio import SAMPLE_RATE, load_audio
 from engine.errors import RequestError
 from engine.formats import render
 from engine.speakers import diarize, parse_speakers
+from engine.subtitles import SubtitleRules
 
 TURNS = [
     "Good morning everyone, thanks for joining the call today.",
@@ -69,6 +70,23 @@ def test_two_voices_taking_turns_get_two_labels(engine4, dialogue):
     srt, txt = render(transcript, "srt"), render(transcript, "txt")
     assert "[Alice]" in srt and "[Bob]" in srt and "Alice: " in txt and "Bob: " in txt
     assert transcript.to_json()["speakers"] == names
+    narrow = SubtitleRules(max_chars=20, max_lines=2)  # the names count in the lines they start
+    lines = [line for block in render(transcript, "vtt", narrow).split("\n\n")[1:] for line in block.split("\n")[1:]]
+    assert sum(line.startswith(("[Alice] ", "[Bob] ")) for line in lines) >= 4 and all(len(x) <= 20 for x in lines)
+
+
+def test_the_command_line_labels_speakers_and_times_words(dialogue, tmp_path, capsys):
+    path, _ = dialogue
+    assert cli_main(["transcribe", str(path), "--speakers", "2", "--word-timestamps", "--format", "srt",
+                     "--max-line-chars", "30", "--out", str(tmp_path)]) == 0
+    srt = (tmp_path / "dialogue.srt").read_text()
+    lines = [line for block in srt.strip().split("\n\n") for line in block.split("\n")[2:]]
+    assert "[Speaker 1] " in srt and "[Speaker 2] " in srt and all(len(line) <= 30 for line in lines)
+    from engine.jobs import JobStore
+
+    job = next(j for j in JobStore().list() if j.path == str(path.absolute()))
+    segments = job.result["segments"]
+    assert {s["speaker"] for s in segments} == {"S1", "S2"} and all(s["words"] for s in segments)
 
 
 def test_one_voice_is_one_speaker(speech):
