@@ -40,11 +40,14 @@ DIALOGUE = [
 ]
 
 
+MODEL = "whisper-tiny.en"  # set from --model
+
+
 def batch_seconds(engine, paths, speakers) -> float:
     from engine import TranscribeRequest
 
     t0 = time.perf_counter()
-    handles = [engine.submit(TranscribeRequest(str(p), language="en", timestamps=True, speakers=speakers))
+    handles = [engine.submit(TranscribeRequest(str(p), model=MODEL, language="en", timestamps=True, speakers=speakers))
                for p in paths]
     for h in handles:
         h.result(3600)
@@ -90,8 +93,8 @@ def dialogue_48k(folder: Path) -> np.ndarray:
 
 def caption_delay(engine, busy_paths, recording: np.ndarray) -> None:
     from engine import LiveTranscribeRequest, TranscribeRequest
-    busy = [engine.submit(TranscribeRequest(str(p), language="en", timestamps=True)) for p in busy_paths]
-    live = engine.submit(LiveTranscribeRequest(language="en", timestamps=True))
+    busy = [engine.submit(TranscribeRequest(str(p), model=MODEL, language="en", timestamps=True)) for p in busy_paths]
+    live = engine.submit(LiveTranscribeRequest(model=MODEL, language="en", timestamps=True))
     block, rate = 480, 48000
     started = time.perf_counter()
     for at in range(0, len(recording), block):  # real time
@@ -122,8 +125,11 @@ def main() -> None:
     parser.add_argument("--model", default="whisper-tiny.en")
     parser.add_argument("--quick", action="store_true", help="a dry run: 4 files of 5 to 15 s, one round")
     args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # each figure shows as it is measured, also into a file
     if args.quick:
         args.files, args.rounds = 4, 1
+    global MODEL
+    MODEL = args.model
     from engine import Engine
 
     work = Path(tempfile.mkdtemp(prefix="cadence-bench-"))
