@@ -11,6 +11,7 @@
    from the moment the recording reached the end of its window to the moment its text arrived.
 
     .venv/bin/python bench/speakers_live.py [--files 16] [--width 8] [--rounds 2] [--quick]
+                                            [--part both|speakers|captions]
 
 Run it on a quiet machine: another process on the same cores slows every figure many times over.
 """
@@ -124,6 +125,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--model", default="whisper-tiny.en")
     parser.add_argument("--quick", action="store_true", help="a dry run: 4 files of 5 to 15 s, one round")
+    parser.add_argument("--part", choices=("both", "speakers", "captions"), default="both")
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # each figure shows as it is measured, also into a file
     if args.quick:
@@ -138,7 +140,10 @@ def main() -> None:
     print(f"{len(paths)} files, {sum(c.seconds for c in clips):.0f} s of speech; {args.model}, width {args.width}")
     engine = Engine(backend="cpu", batch=args.width, precision="float32", drafter="off")
     try:
-        speakers_cost(engine, paths, args.rounds)
+        if args.part != "captions":
+            speakers_cost(engine, paths, args.rounds)
+        if args.part == "speakers":
+            return
         busy = sorted(paths, key=lambda p: -next(c.seconds for c in clips if c.path == p))[:8]
         caption_delay(engine, busy, dialogue_48k(work))
     finally:

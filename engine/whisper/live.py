@@ -150,7 +150,7 @@ class LiveRun(TranscriptionRun):
         self.stopped = False
         self.starts: dict[int, int] = {}  # first frame -> the window index shown for it
         self.latest: dict[int, int] = {}  # first frame -> the plan index of its latest (largest) decoding
-        self.superseded: set[int] = set()  # plan indices whose window grew before they were decoded
+        self.superseded: set[int] = set()  # plan indices whose window grew before their decoding started
 
     def start(self) -> list:
         plan, handle = self.plan, self.handle
@@ -165,11 +165,8 @@ class LiveRun(TranscriptionRun):
             self.plan.duration = max(self.plan.duration, (seek + size) / FRAMES_PER_SECOND)
             earlier = self.latest.get(seek)
             self.latest[seek] = index
-            if earlier is not None and earlier not in self.results:  # the window grew: its older decoding goes
-                self.superseded.add(earlier)
-                for seq in self.seqs:
-                    if seq.index == earlier:
-                        seq.cancelled = True
+            if earlier is not None and earlier not in self.results:
+                self._supersede(earlier)
             if silent:
                 self.results[index] = self.plan.silent_result()
                 continue
@@ -182,6 +179,15 @@ class LiveRun(TranscriptionRun):
         if final:
             self.stopped = True
             self._finish_if_complete()
+
+    def _supersede(self, index: int) -> None:
+        """The window of decoding ``index`` grew. A decoding still waiting for a slot is dropped (the larger
+        one replaces it); one already in a slot finishes, so its captions show meanwhile."""
+        pending = [seq for seq in self.seqs if seq.index == index and seq.finish_reason is None]
+        if pending and all(seq.slot < 0 for seq in pending) and index not in self.decoding:
+            self.superseded.add(index)
+            for seq in pending:
+                seq.cancelled = True
 
     def _on_finish(self, seq) -> None:
         if seq.index in self.superseded:  # not an error: a larger decoding of its window replaces it
