@@ -27,7 +27,7 @@ run: setup
 	$(VENV)/bin/cadence gui
 
 test: setup
-	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0 --durations=25
 
 bench: setup
 	$(PY) bench/single_stream.py
