@@ -40,15 +40,23 @@ if TYPE_CHECKING:
 BATCH_ENV = "CADENCE_BATCH"  # off | N | auto: overrides the calibrated width when no batch is given
 
 
-def parse_batch(value) -> str | int:
-    """'auto', 'off' or a width of at least 1; anything else gets a sentence."""
+def auto_off_or_number(value, refusal: str) -> str | int:
+    """'auto', 'off' or a whole number (the caller checks its range); else ``refusal`` (with the
+    value in ``{value}``) as a RequestError."""
     text = str(value).strip().lower()
     if text in ("auto", "off"):
         return text
     try:
-        n = int(text)
+        return int(text)
     except ValueError:
-        raise CadenceError(f"Batch must be auto, off or a whole number of slots (got '{value}').") from None
+        raise RequestError(refusal.format(value=value)) from None
+
+
+def parse_batch(value) -> str | int:
+    """'auto', 'off' or a width of at least 1; anything else gets a sentence."""
+    n = auto_off_or_number(value, "Batch must be auto, off or a whole number of slots (got '{value}').")
+    if isinstance(n, str):
+        return n
     if n < 1:
         raise CadenceError(f"Batch width must be at least 1 (got {n}).")
     return n

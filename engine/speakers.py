@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.api import auto_off_or_number
 from engine.audio import SAMPLE_RATE
 from engine.errors import CadenceError, RequestError
 
@@ -45,13 +46,9 @@ class Turn:
 
 def parse_speakers(value) -> str | int:
     """'auto', 'off' or a number of speakers from 1 to MAX_SPEAKERS; anything else gets a sentence."""
-    text = str(value).strip().lower()
-    if text in ("auto", "off"):
-        return text
-    try:
-        n = int(text)
-    except ValueError:
-        raise RequestError(f"Speakers must be auto, off or a number of speakers (got '{value}').") from None
+    n = auto_off_or_number(value, "Speakers must be auto, off or a number of speakers (got '{value}').")
+    if isinstance(n, str):
+        return n
     if not 1 <= n <= MAX_SPEAKERS:
         raise RequestError(f"The number of speakers must be from 1 to {MAX_SPEAKERS} (got {n}).")
     return n
