@@ -77,15 +77,17 @@ class SileroVad:
     def __call__(self, samples: np.ndarray) -> np.ndarray:
         """Probabilities [ceil(len / CHUNK)] (the tail is padded with zeros to a whole chunk)."""
         audio = np.asarray(samples, dtype=np.float32).reshape(-1)
-        audio = np.pad(audio, (0, (-audio.size) % CHUNK))
-        chunks = audio.reshape(-1, CHUNK)
-        if chunks.shape[0] == 0:
+        n_chunks = -(-audio.size // CHUNK)
+        if n_chunks == 0:
             return np.zeros(0, dtype=np.float32)
-        context = np.concatenate([np.zeros((1, CONTEXT), np.float32), chunks[:-1, -CONTEXT:]])
         state = self.initial_state()
         out = []
-        for start in range(0, chunks.shape[0], BLOCK):  # a block at a time, the LSTM state carried over
-            probs, state = self.block(chunks[start : start + BLOCK], context[start : start + BLOCK], state)
+        for start in range(0, n_chunks, BLOCK):  # a block at a time, the LSTM state carried over; only
+            piece = audio[start * CHUNK : (start + BLOCK) * CHUNK]  # the block is copied, not the recording
+            chunks = np.pad(piece, (0, (-piece.size) % CHUNK)).reshape(-1, CHUNK)
+            before = audio[start * CHUNK - CONTEXT : start * CHUNK] if start else np.zeros(CONTEXT, np.float32)
+            context = np.concatenate([before[None], chunks[:-1, -CONTEXT:]])
+            probs, state = self.block(chunks, context, state)
             out.append(probs)
         return np.concatenate(out)
 
