@@ -22,6 +22,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -97,19 +98,28 @@ def caption_delay(engine, busy_paths, recording: np.ndarray) -> None:
     busy = [engine.submit(TranscribeRequest(str(p), model=MODEL, language="en", timestamps=True)) for p in busy_paths]
     live = engine.submit(LiveTranscribeRequest(model=MODEL, language="en", timestamps=True))
     block, rate = 480, 48000
+    arrivals = []  # (seconds since the recording started, event), taken as each event arrives
+
+    def listen():
+        for event in live:
+            arrivals.append((time.perf_counter() - started, event))
+
+    listener = threading.Thread(target=listen, daemon=True)
     started = time.perf_counter()
+    listener.start()
     for at in range(0, len(recording), block):  # real time
         live.feed(recording[at : at + block].reshape(-1, 1), rate)
         ahead = started + (at + block) / rate - time.perf_counter()
         if ahead > 0:
             time.sleep(ahead)
     live.stop()
+    listener.join(600)
     delays = []
-    for event in live:
+    for arrived, event in arrivals:
         if event.kind == "progress" and event.window is not None and event.segments:
             heard = max(s.end for s in event.segments)  # where the window's speech ended, seconds in
-            delays.append(time.perf_counter() - started - heard)
-            print(f"  caption {event.index}: {event.text[:50]!r} {delays[-1]:.2f} s after its speech")
+            delays.append(arrived - heard)
+            print(f"  caption {event.index} at {arrived:.2f} s: {event.text[:50]!r} {delays[-1]:.2f} s after its speech")
     still_busy = sum(not h.ended for h in busy)
     for h in busy:
         h.cancel()

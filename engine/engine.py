@@ -119,7 +119,9 @@ class Engine:
         """A request ended: the engine keeps nothing of it."""
         self._work.pop(handle.id, None)
         self._reading.pop(handle.id, None)
-        self._live_runs.pop(handle.id, None)
+        run = self._live_runs.pop(handle.id, None)
+        if run is not None:
+            run.lane.release_slot(run)
 
     def cancel(self, handle: Handle) -> None:
         handle.cancelled = True
@@ -249,6 +251,7 @@ class Engine:
                                                   "depth": s.draft_counts.last_depth}
                           for s in list(lane.slots)],
                 "waiting": len(lane.waiting),
+                "held_for_live": bool(lane.slot_holders) and lane.width > 1,  # one slot kept free for recordings
                 "drafting": {"drafter": lane.drafter.name if lane.drafter else self.drafter, "state": lane.drafting_state,
                              **lane.draft_counts.to_json()},
             }

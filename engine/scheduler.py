@@ -194,6 +194,16 @@ class Lane:
         self.planner = planner
         self.drafting_state = "off" if drafter is None and drafting_state == "on" else drafting_state
         self.draft_counts = DraftCounts()
+        # Who holds a slot free for urgent sequences (live recordings): while anyone does, other sequences
+        # leave the last free slot alone, so a recording's next window starts at once instead of waiting
+        # for a file's window to end (seconds, at full width).
+        self.slot_holders: set[object] = set()
+
+    def hold_slot(self, holder: object) -> None:
+        self.slot_holders.add(holder)
+
+    def release_slot(self, holder: object) -> None:
+        self.slot_holders.discard(holder)
 
     @property
     def steps(self) -> int:
@@ -255,6 +265,9 @@ class Lane:
 
     def _admit(self) -> None:
         while self.waiting and None in self.slots:
+            if (self.slot_holders and self.width > 1 and not self.waiting[0].urgent
+                    and self.slots.count(None) == 1):  # the last free slot is held for urgent work
+                return
             seq = self._next_waiting()
             if seq.cancelled:
                 self._finish(seq, "cancelled")
@@ -276,10 +289,13 @@ class Lane:
         and the encoder's large activations do not evict the decoder's weights and memory from the
         processor's cache between steps (measured: 10-15% off a batch of files). When another lane
         is busy (a chat streaming), one piece per step while others decode, so its tokens keep
-        flowing; with nobody decoding, until one is ready."""
-        pending = [s for s in self.slots if s is not None and s.preparing is not None]
+        flowing; with nobody decoding, until one is ready. The same while an urgent sequence (a live
+        recording's window) decodes: its captions are not held up by files' windows joining. Urgent
+        sequences are prepared first."""
+        pending = sorted((s for s in self.slots if s is not None and s.preparing is not None), key=lambda s: not s.urgent)
         if not pending:
             return
+        shared = shared or any(s is not None and s.urgent and s.preparing is None for s in self.slots)
         someone_decoding = len(pending) < sum(s is not None for s in self.slots)
         start = time.perf_counter()
         for seq in pending:

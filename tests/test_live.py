@@ -4,6 +4,7 @@ transcribing the saved file gives (windows decoded live reused where identical);
 
 import shutil
 import threading
+import time
 
 import numpy as np
 import soundfile as sf
@@ -160,3 +161,47 @@ def test_closing_while_recording_live_keeps_and_transcribes_everything(qtbot, ap
     assert sf.info(job.path).frames == len(speech)
     plain = reopened.bridge.engine.submit(TranscribeRequest(job.path, timestamps=True)).result(600)
     assert job.result["text"] == plain.text and "friday" in plain.text.lower() and "fox" in plain.text.lower()
+
+
+def test_a_slot_is_kept_free_for_a_recording_while_files_fill_the_others(engine4, speech, tmp_path):
+    """While a recording is live, queued files leave one slot of the lane free (its next window starts at
+    once rather than after a file's window ends); after it stops, the files take every slot again."""
+    model = "whisper-tiny.en"
+    live = engine4.submit(LiveTranscribeRequest(model=model))
+    copies = []
+    for i in range(16):
+        copies.append(tmp_path / f"queued-{i}.wav")
+        shutil.copy(speech["report"], copies[-1])
+    handles = [engine4.submit(TranscribeRequest(p, model=model)) for p in copies]
+
+    def busy_with_files() -> tuple[int, dict]:
+        lane = engine4.status()["lanes"].get(model)
+        while lane is None:  # until the lane is made (the model loads once, for the whole suite)
+            time.sleep(0.05)
+            lane = engine4.status()["lanes"].get(model)
+        return sum(s is not None and s["request"] != live.id for s in lane["slots"]), lane
+
+    try:
+        full_with_others_waiting, polls = 0, []
+        deadline = time.monotonic() + 180
+        while full_with_others_waiting < 20 and time.monotonic() < deadline:
+            busy, lane = busy_with_files()
+            polls.append((busy, lane["waiting"], lane["held_for_live"]))
+            assert lane["held_for_live"] and busy < lane["width"], polls[-20:]  # never every slot
+            full_with_others_waiting += busy == lane["width"] - 1 and lane["waiting"] > 0
+            time.sleep(0.05)
+        width = engine4.status()["lanes"][model]["width"]
+        assert width > 1 and full_with_others_waiting == 20, polls[-20:]  # files at work, one slot left free
+        live.stop()
+        assert live.result(120) is not None
+        seen_after = []
+        while time.monotonic() < deadline and not all(h.ended for h in handles):
+            busy, lane = busy_with_files()
+            seen_after.append((busy, lane["held_for_live"]))
+            if seen_after[-1] == (width, False):
+                break
+            time.sleep(0.02)
+        assert seen_after[-1] == (width, False), seen_after[-20:]  # the files take every slot again
+    finally:
+        for h in handles:
+            h.cancel()

@@ -154,6 +154,7 @@ class LiveRun(TranscriptionRun):
 
     def start(self) -> list:
         plan, handle = self.plan, self.handle
+        self.lane.hold_slot(self)  # released when the run ends (engine.engine forgets it)
         handle.emit(TranscriptionStarted(handle.id, language=plan.language, window_times=[], done=0, total=0))
         return self.seqs
 
