@@ -102,3 +102,35 @@ def test_bad_speaker_counts_are_one_sentence(capsys, speech):
         message = capsys.readouterr().err.strip()
         assert message.startswith("cadence: --speakers:") and message.count("\n") == 0 and "Traceback" not in message
     assert parse_speakers("auto") == "auto" and parse_speakers("3") == 3 and parse_speakers("off") == "off"
+
+
+def test_voice_prints_in_the_chosen_precision_match_float32_and_leave_the_threads_alone(speech):
+    """The encoder runs in whichever of float32 and bfloat16 this processor runs faster (timed at load);
+    its prints stay the float32 prints' (cosine ≥ 0.995), and it holds OpenMP to one thread for its own
+    thread only: the caller's thread count is what it was, there and everywhere else."""
+    import threading
+
+    import torch
+
+    from engine.speakers import PIECE_FRAMES, encoder, voice_mel
+
+    enc = encoder()
+    assert enc.dtype in (torch.float32, torch.bfloat16)
+    mel = voice_mel(load_audio(speech["fox"]))
+    pieces = np.stack([mel[at : at + PIECE_FRAMES] for at in range(0, mel.shape[0] - PIECE_FRAMES, PIECE_FRAMES // 2)])
+    exact, chosen = enc._run(pieces, torch.float32), enc(pieces)
+    assert chosen.shape == (len(pieces), 256) and np.allclose(np.linalg.norm(chosen, axis=1), 1.0, atol=1e-5)
+    assert float((exact * chosen).sum(1).min()) >= 0.995
+    threads = torch.get_num_threads()
+    seen = []
+
+    def beside():
+        torch.ones(1 << 16).sum()
+        before = torch.get_num_threads()
+        enc(pieces)
+        seen.append((before, torch.get_num_threads()))
+
+    worker = threading.Thread(target=beside)
+    worker.start()
+    worker.join()
+    assert seen == [(threads, threads)] and torch.get_num_threads() == threads
