@@ -3,7 +3,9 @@
 The mel spectrogram is computed over the whole clip and normalised by that clip's maximum; the
 30-second windows are cut afterwards and padded with zeros in the normalised domain. (The
 transformers feature extractor pads audio to 30 s first, which gives different text on some
-clips.)
+clips.) The mel projection is summed in a fixed order per frame (see :func:`mel_power`), so a frame
+is the same whether computed with the whole file or as a recording grows; the values equal
+faster-whisper's within float32 rounding.
 """
 
 from __future__ import annotations
@@ -41,10 +43,7 @@ def mel_filters(n_mels: int, sr: int = SAMPLE_RATE, n_fft: int = N_FFT) -> np.nd
     return weights.astype(np.float32)
 
 
-# Log-mel frames computed together (61 s): the spectrum of a two-hour recording at once would take
-# gigabytes. The mel projection's matrix product gives a frame's values to the last bit only as one
-# product over the whole clip does (faster-whisper's, tested equal) where the blocks line up with the
-# BLAS kernel's tiles: hence a size with many factors of two, and the remainder joined to the last block.
+# Log-mel frames computed together (61 s): the spectrum of a two-hour recording at once would take gigabytes.
 FRAMES_PER_BLOCK = 6144
 
 
@@ -82,8 +81,35 @@ def log_mel_frames(padded: np.ndarray, first: int, count: int, n_mels: int) -> n
     window = np.hanning(N_FFT + 1)[:-1].astype(np.float32)
     spectrum = np.fft.rfft(frames * window, n=N_FFT, axis=-1).astype(np.complex64).T
     power = np.abs(spectrum) ** 2
-    mel = mel_filters(n_mels) @ power
-    return np.log10(np.clip(mel, 1e-10, None))
+    return np.log10(np.clip(mel_power(power, n_mels), 1e-10, None))
+
+
+@lru_cache(maxsize=4)
+def _mel_bands(n_mels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each mel band as bins [n_mels, widest] (its first bin + j) and weights [n_mels, widest] (zero past
+    the band's end): the filter bank without the zeros a full matrix product multiplies through."""
+    filters = mel_filters(n_mels)
+    spans = [np.flatnonzero(row) for row in filters]
+    first = np.array([nz[0] if nz.size else 0 for nz in spans])
+    widest = max(nz[-1] - nz[0] + 1 if nz.size else 1 for nz in spans)
+    wanted = first[:, None] + np.arange(widest)[None]
+    bins = np.minimum(wanted, filters.shape[1] - 1)
+    weights = np.where(wanted < filters.shape[1], np.take_along_axis(filters, bins, axis=1), 0)
+    return bins, weights.astype(np.float32)
+
+
+def mel_power(power: np.ndarray, n_mels: int) -> np.ndarray:
+    """The mel filter bank applied to power spectra [bins, frames]: [n_mels, frames].
+
+    Summed bin by bin in one fixed order with elementwise operations, so a frame's values are the same
+    to the last bit whichever frames are computed with it (a BLAS matrix product's rounding depends on
+    how many columns it is given): a recording's frames computed as it grows equal the saved file's.
+    Equal to faster-whisper's whole-clip matrix product within float32 rounding."""
+    bins, weights = _mel_bands(n_mels)
+    out = np.zeros((n_mels, power.shape[1]), dtype=np.float32)
+    for j in range(bins.shape[1]):
+        out += weights[:, j, None] * power[bins[:, j]]
+    return out
 
 
 def normalize(log_spec: np.ndarray, top: float, in_place: bool = False) -> np.ndarray:
