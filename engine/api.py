@@ -227,6 +227,9 @@ class Progress(Event):
     text: str = ""
     segments: list[Segment] = field(default_factory=list)
     earlier: bool = False  # decoded in an earlier run (a resumed job), reported again as it starts
+    # A live caption of a grown window's new speech joined onto its earlier caption: shown meanwhile, the
+    # window is decoded whole after Stop (see engine.whisper.live.LiveRun)
+    provisional: bool = False
 
 
 @dataclass

@@ -205,3 +205,40 @@ def test_a_slot_is_kept_free_for_a_recording_while_files_fill_the_others(engine4
     finally:
         for h in handles:
             h.cancel()
+
+
+def test_a_window_that_grows_keeps_its_captions_and_adds_the_new_speech(engine4, tmp_path):
+    """Speech resumed within a window's 30 s grows it: its caption then comes from decoding the new speech
+    alone, joined onto the earlier caption (provisional: the earlier lines kept as they were); after Stop
+    the window is decoded whole, and the saved file's transcription reuses that and equals a plain one."""
+    first, second = _speech_48k(tmp_path, ("fox",)), _speech_48k(tmp_path, ("report",))
+    live = engine4.submit(LiveTranscribeRequest(timestamps=True))
+
+    def feed(samples):
+        for start in range(0, len(samples), BLOCK):
+            live.feed(samples[start : start + BLOCK].reshape(-1, 1), 48000)
+
+    feed(first)
+    captions = [next(e for e in live if e.kind in ("progress", "failed"))]
+    assert captions[0].kind == "progress" and not captions[0].provisional, captions[0]
+    feed(second)
+    for event in live:
+        assert event.kind == "progress", event
+        captions.append(event)
+        if "quarterly report" in event.text.lower():
+            break
+    assert len(captions) >= 2 and "fox" in captions[0].text.lower()
+    for before, grown in zip(captions, captions[1:]):  # each caption of the window keeps the lines before it
+        assert grown.index == captions[0].index and grown.provisional
+        kept = [(s.start, s.end, s.text) for s in before.segments]
+        assert [(s.start, s.end, s.text) for s in grown.segments[: len(kept)]] == kept and len(grown.segments) > len(kept)
+    live.stop()
+    after_stop = [e for e in live if e.kind == "progress"]
+    assert live.final.kind == "finished" and after_stop and not after_stop[-1].provisional
+    assert after_stop[-1].index == captions[0].index  # the whole window's decoding replaces the provisional caption
+    path = tmp_path / "grown.wav"
+    sf.write(path, np.concatenate([first, second]), 48000, subtype="PCM_16")
+    final = engine4.submit(TranscribeRequest(path, timestamps=True, known_windows=live.known)).result(600)
+    plain = engine4.submit(TranscribeRequest(path, timestamps=True)).result(600)
+    assert _segments(final) == _segments(plain) and final.stats.get("reused_windows", 0) >= 1
+    assert _segments(live.final.transcript) == _segments(plain)  # the window's latest decoding, once

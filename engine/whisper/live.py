@@ -24,7 +24,17 @@ import numpy as np
 from engine.api import Handle, Progress, TranscriptionStarted
 from engine.audio import SAMPLE_RATE, _Collector
 from engine.whisper.features import FRAMES_PER_SECOND, HOP_LENGTH, N_FFT, log_mel_frames, normalize, pad_window
-from engine.whisper.pipeline import SILENCE_RMS, TranscriptionPlan, _rms, result_segments, window_key
+from engine.whisper.pipeline import (
+    FOLLOW_UP_MIN_S,
+    SILENCE_RMS,
+    TranscriptionPlan,
+    WindowDecoding,
+    _rms,
+    left_out,
+    result_segments,
+    steps_to_frames,
+    window_key,
+)
 from engine.whisper.run import TranscriptionRun
 from engine.whisper.vad import CHUNK, CONTEXT, detector, vad_windows
 
@@ -139,8 +149,14 @@ class LiveAudio:
 
 
 class LiveRun(TranscriptionRun):
-    """A live recording's windows on the lane, served before queued files' (urgent sequences); each
-    decoded window is kept by its key for the saved file's transcription to reuse."""
+    """A live recording's windows on the lane, served before queued files' (urgent sequences).
+
+    A window grows while speech goes on within its 30 s. With timestamps, its new speech is then decoded
+    on its own, from where the earlier decoding's last phrase ended, and joined on (as a follow-up part
+    is): the caption comes after a decoding of a few seconds of speech rather than of the whole window
+    again. Such a joined result is provisional: it is shown, but only whole-window decodings are kept
+    for the saved file's transcription (``known``), and after Stop every window whose latest caption is
+    provisional is decoded whole, so the file's transcription can reuse it."""
 
     urgent = True
 
@@ -151,6 +167,10 @@ class LiveRun(TranscriptionRun):
         self.starts: dict[int, int] = {}  # first frame -> the window index shown for it
         self.latest: dict[int, int] = {}  # first frame -> the plan index of its latest (largest) decoding
         self.superseded: set[int] = set()  # plan indices whose window grew before their decoding started
+        self.shown: dict[int, int] = {}  # first frame -> the plan index of its latest caption (a finished decoding)
+        self.deferred: dict[int, int] = {}  # first frame -> a grown window's plan index, waiting for the decoding before
+        self.provisional: set[int] = set()  # plan indices decoded as new speech joined onto an earlier caption
+        self.pieces = 0  # grown windows captioned from their new speech alone
 
     def start(self) -> list:
         plan, handle = self.plan, self.handle
@@ -161,14 +181,11 @@ class LiveRun(TranscriptionRun):
     def add_windows(self, windows, final: bool) -> None:
         """Windows closed by the recording so far (see LiveAudio.update)."""
         for seek, size, features, silent in windows:
-            index = len(self.plan.spans)
-            self.plan.spans.append((seek, size, features))
-            self.plan.duration = max(self.plan.duration, (seek + size) / FRAMES_PER_SECOND)
+            index = self._new_span(seek, size, features)
             earlier = self.latest.get(seek)
             self.latest[seek] = index
-            if earlier is not None and earlier not in self.results:
-                self._supersede(earlier)
             if silent:
+                self._drop_waiting(earlier, seek)
                 self.results[index] = self.plan.silent_result()
                 continue
             if self.plan.language is None:
@@ -176,19 +193,68 @@ class LiveRun(TranscriptionRun):
 
                 self.plan.detect_window = features
                 detect_plan_language(self.ref, self.plan)
-            self._add(index, features, size)
+            if not self._drop_waiting(earlier, seek) and self.rules is not None:
+                self._defer(seek, index)  # the decoding before is in a slot: this one starts from its end
+            else:
+                self._decode(seek, index)
         if final:
             self.stopped = True
             self._finish_if_complete()
 
-    def _supersede(self, index: int) -> None:
-        """The window of decoding ``index`` grew. A decoding still waiting for a slot is dropped (the larger
-        one replaces it); one already in a slot finishes, so its captions show meanwhile."""
-        pending = [seq for seq in self.seqs if seq.index == index and seq.finish_reason is None]
-        if pending and all(seq.slot < 0 for seq in pending) and index not in self.decoding:
-            self.superseded.add(index)
-            for seq in pending:
-                seq.cancelled = True
+    def _new_span(self, seek: int, size: int, features: np.ndarray) -> int:
+        self.plan.spans.append((seek, size, features))
+        self.plan.duration = max(self.plan.duration, (seek + size) / FRAMES_PER_SECOND)
+        return len(self.plan.spans) - 1
+
+    def _drop_waiting(self, index: int | None, seek: int) -> bool:
+        """Drop decoding ``index`` (of the window at ``seek``, which grew) if none of it has started: the
+        larger one replaces it. True when nothing of the window is decoding any more (False: a decoding is
+        in a slot, and the larger one is to start from its end)."""
+        if index is None or index in self.results:
+            return True
+        if self.deferred.get(seek) == index:  # never started: it waited for the decoding before it, still in a slot
+            del self.deferred[seek]
+            self._superseded(index)
+            return False
+        mine = [seq for seq in self.seqs if seq.index == index]
+        if any(seq.finish_reason is not None or seq.slot >= 0 for seq in mine):
+            return False  # in a slot, or a part of it done: it finishes, so its captions show meanwhile
+        self.superseded.add(index)
+        for seq in mine:
+            seq.cancelled = True
+        return True
+
+    def _superseded(self, index: int) -> None:
+        self.superseded.add(index)
+        self.results[index] = self.plan.silent_result()  # not shown: a larger decoding of its window replaces it
+
+    def _defer(self, seek: int, index: int) -> None:
+        self.deferred[seek] = index
+
+    def _decode(self, seek: int, index: int) -> None:
+        """Decode window ``index``: its new speech alone, joined onto the window's latest caption where
+        that ended on a time, else the whole window."""
+        base = self.results.get(self.shown[seek]) if seek in self.shown else None
+        _, size, features = self.plan.spans[index]
+        steps = self._resume_steps(base)
+        if steps is not None and (size - steps_to_frames(steps)) / FRAMES_PER_SECOND >= FOLLOW_UP_MIN_S:
+            frames = steps_to_frames(steps)
+            self.decoding[index] = WindowDecoding(base, list(base.tokens), steps=steps,
+                                                  words=list(base.words) if base.words is not None else None)
+            self.provisional.add(index)
+            self.pieces += 1
+            self._add(index, pad_window(features[:, frames:size]), size - frames)
+        else:
+            self._add(index, features, size)
+
+    def _resume_steps(self, base) -> int | None:
+        """Where the new speech is decoded from, in time steps from the window's start: where ``base``'s last
+        phrase ended (or its next one began). None: decode the whole window (no timestamps, no caption yet,
+        or one the transcript leaves out)."""
+        if self.rules is None or base is None or not base.tokens or left_out(base):
+            return None
+        last = base.tokens[-1]
+        return last - self.rules.begin if last >= self.rules.begin else None
 
     def _on_finish(self, seq) -> None:
         if seq.index in self.superseded:  # not an error: a larger decoding of its window replaces it
@@ -200,16 +266,36 @@ class LiveRun(TranscriptionRun):
 
     def _report(self, index: int, window, earlier: bool = False) -> None:
         """A window's captions, as ``progress`` whose ``index`` is the same for every decoding of a window
-        that grew (so a view replaces the earlier text); the result kept for the saved file's run."""
-        self.known[window_key(self.plan, index)] = window
-        shown = self.starts.setdefault(self.plan.spans[index][0], len(self.starts))
-        segments = result_segments(self.plan, self.ref.tok, index, window)
-        self.handle.emit(Progress(self.handle.id, index=shown, done=len(self.results), total=len(self.plan.spans),
-                                  window=window, text=" ".join(s.text for s in segments), segments=segments))
+        that grew (so a view replaces the earlier text); a whole-window result is kept for the saved file's
+        run. A grown window waiting for this decoding starts now, from its end."""
+        seek = self.plan.spans[index][0]
+        if index not in self.provisional:
+            self.known[window_key(self.plan, index)] = window
+        if self.shown.get(seek, -1) < index:  # (else a larger decoding of the window is shown already)
+            self.shown[seek] = index
+            shown = self.starts.setdefault(seek, len(self.starts))
+            segments = result_segments(self.plan, self.ref.tok, index, window)
+            self.handle.emit(Progress(self.handle.id, index=shown, done=len(self.results), total=len(self.plan.spans),
+                                      window=window, text=" ".join(s.text for s in segments), segments=segments,
+                                      provisional=index in self.provisional))
+        waiting = self.deferred.pop(seek, None)
+        if waiting is not None:
+            self._decode(seek, waiting)
 
     def _finish_if_complete(self) -> None:
-        if self.stopped:
+        if not self.stopped or len(self.results) < len(self.plan.spans):
+            return
+        for seek, index in self.latest.items():  # after Stop: provisional captions decoded whole, for reuse
+            if index in self.provisional:
+                whole = self._new_span(*self.plan.spans[index])
+                self.latest[seek] = whole
+                self._add(whole, self.plan.spans[whole][2], self.plan.spans[whole][1])
+        if len(self.results) == len(self.plan.spans):
             super()._finish_if_complete()
+
+    def _final_windows(self) -> list[int]:
+        """The latest decoding of each window, in time order (earlier and superseded ones were captions only)."""
+        return sorted(self.latest.values(), key=lambda index: self.plan.spans[index][0])
 
 
 class LiveFeed:

@@ -7,6 +7,7 @@ pipeline's, shared with the reference decoder, so the engine's tokens are held t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import numpy as np
@@ -177,6 +178,10 @@ class TranscriptionRun:
                                   window=window, text=" ".join(s.text for s in segments), segments=segments,
                                   earlier=earlier))
 
+    def _final_windows(self) -> list[int]:
+        """The plan indices of the windows the transcript is made of, in order."""
+        return list(range(len(self.plan.spans)))
+
     def _finish_if_complete(self) -> None:
         plan, handle = self.plan, self.handle
         if len(self.results) < len(plan.spans) or handle.ended:
@@ -187,7 +192,10 @@ class TranscriptionRun:
                 self.waiting_for_speakers = True
                 turns.add_done_callback(lambda _: self.call_soon(self._finish_if_complete))
             return
-        transcript = assemble_transcript(plan, self.ref.tok, [self.results[i] for i in range(len(plan.spans))])
+        kept = self._final_windows()
+        if len(kept) < len(plan.spans):
+            plan = dataclasses.replace(plan, spans=[plan.spans[i] for i in kept])
+        transcript = assemble_transcript(plan, self.ref.tok, [self.results[i] for i in kept])
         transcript.stats["drafting"] = self.drafting.to_json()
         if self.reused:
             transcript.stats["reused_windows"] = self.reused
