@@ -6,8 +6,8 @@
    decoding; the transcript finishes when both are done), alternated A/B/A/B. Also the voice prints
    and clustering alone, one file after another, on an idle engine. The goal: diarization adds
    under 15% to the batch (WhisperX users report 80-90% of their run time going to it).
-2. Live captions: the same engine busy with 8 files of the batch while a recording of alternating
-   voices is fed in real time (10-ms blocks, as PortAudio delivers them); for each caption, the delay
+2. Live captions: the same engine busy with 8 files of the batch (each one that finishes replaced by
+   the next, so 8 transcribe throughout) while a recording of alternating voices is fed in real time (10-ms blocks, as PortAudio delivers them); for each caption, the delay
    from the moment the recording reached the end of its window to the moment its text arrived.
 
     .venv/bin/python bench/speakers_live.py [--files 16] [--width 8] [--rounds 2] [--quick]
@@ -93,9 +93,13 @@ def dialogue_48k(folder: Path) -> np.ndarray:
     return soxr.resample(audio, 16000, 48000).astype(np.float32)
 
 
-def caption_delay(engine, busy_paths, recording: np.ndarray) -> None:
+def caption_delay(engine, first_paths, busy_paths, recording: np.ndarray) -> None:
     from engine import LiveTranscribeRequest, TranscribeRequest
-    busy = [engine.submit(TranscribeRequest(str(p), model=MODEL, language="en", timestamps=True)) for p in busy_paths]
+    def transcribe(path):
+        return engine.submit(TranscribeRequest(str(path), model=MODEL, language="en", timestamps=True))
+
+    busy = [transcribe(p) for p in first_paths]
+    replaced = 0  # a file that finishes is replaced by the next, so 8 are transcribing until the recording ends
     live = engine.submit(LiveTranscribeRequest(model=MODEL, language="en", timestamps=True))
     block, rate = 480, 48000
     arrivals = []  # (seconds since the recording started, event), taken as each event arrives
@@ -109,6 +113,10 @@ def caption_delay(engine, busy_paths, recording: np.ndarray) -> None:
     listener.start()
     for at in range(0, len(recording), block):  # real time
         live.feed(recording[at : at + block].reshape(-1, 1), rate)
+        for i, handle in enumerate(busy):
+            if handle.ended:
+                busy[i] = transcribe(busy_paths[(len(busy) + replaced) % len(busy_paths)])
+                replaced += 1
         ahead = started + (at + block) / rate - time.perf_counter()
         if ahead > 0:
             time.sleep(ahead)
@@ -120,12 +128,11 @@ def caption_delay(engine, busy_paths, recording: np.ndarray) -> None:
             heard = max(s.end for s in event.segments)  # where the window's speech ended, seconds in
             delays.append(arrived - heard)
             print(f"  caption {event.index} at {arrived:.2f} s: {event.text[:50]!r} {delays[-1]:.2f} s after its speech")
-    still_busy = sum(not h.ended for h in busy)
     for h in busy:
         h.cancel()
     if delays:
-        print(f"live captions with {len(busy_paths)} files transcribing: median delay {statistics.median(delays):.2f} s, "
-              f"longest {max(delays):.2f} s; {still_busy} of the files were still being transcribed at the end")
+        print(f"live captions with {len(busy)} files transcribing throughout ({replaced} finished and were replaced): "
+              f"median delay {statistics.median(delays):.2f} s, longest {max(delays):.2f} s")
 
 
 def main() -> None:
@@ -154,8 +161,8 @@ def main() -> None:
             speakers_cost(engine, paths, args.rounds)
         if args.part == "speakers":
             return
-        busy = sorted(paths, key=lambda p: -next(c.seconds for c in clips if c.path == p))[:8]
-        caption_delay(engine, busy, dialogue_48k(work))
+        busy = sorted(paths, key=lambda p: -next(c.seconds for c in clips if c.path == p))
+        caption_delay(engine, busy[:8], busy, dialogue_48k(work))
     finally:
         engine.shutdown()
 
