@@ -16,6 +16,7 @@ blocks of :data:`ATTENTION_BLOCK` positions, masked positions weighing exactly 0
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -152,42 +153,56 @@ def _to_padded(rows: torch.Tensor, batch: StepBatch) -> torch.Tensor:
     return padded.transpose(1, 2)
 
 
-def _scores(q: torch.Tensor, keys: torch.Tensor, scale: float | None, softcap: float | None) -> torch.Tensor:
-    """q . keys * scale ([S, Hkv, G * T, L]), soft-capped (cap * tanh(x / cap)) where the model does."""
+def _scores(q: torch.Tensor, keys: torch.Tensor, scale: float | None, softcap: float | None,
+            pad: int = 1) -> torch.Tensor:
+    """q . keys * scale ([S, Hkv, G * T rounded up to a multiple of ``pad``, L]; rows past G * T are
+    zero queries), soft-capped (cap * tanh(x / cap)) where the model does."""
     S, H, T, D = q.shape
     Hkv = keys.shape[1]
-    scores = torch.matmul(q.reshape(S, Hkv, H // Hkv * T, D), keys.transpose(-1, -2)).mul_(
-        D ** -0.5 if scale is None else scale)
+    rows = q.reshape(S, Hkv, H // Hkv * T, D)
+    if rows.shape[2] % pad:  # every product then has a row count its library sums alike for every row
+        rows = torch.cat([rows, rows.new_zeros(S, Hkv, pad - rows.shape[2] % pad, D)], dim=2)
+    scores = torch.matmul(rows, keys.transpose(-1, -2)).mul_(D ** -0.5 if scale is None else scale)
     if softcap is not None:
         scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     return scores
 
 
-def _plain(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None,
-           scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
-    """Attention as two matrix products and a softmax over the padded history (masked positions weigh 0)."""
-    S, H, T, D = q.shape
+def _masked_weights(q: torch.Tensor, keys: torch.Tensor, blocked: torch.Tensor | None, scale: float | None,
+                    softcap: float | None, pad: int) -> torch.Tensor:
+    """softmax over the history of each row's scores, masked positions weighing 0: [S, Hkv, rows, L]
+    (the padding rows' weights are computed too, and ignored)."""
+    S, H, T, _ = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
-    G = H // Hkv
-    scores = _scores(q, keys, scale, softcap)  # [S, Hkv, GT, L]
+    scores = _scores(q, keys, scale, softcap, pad)
     if blocked is not None:
-        scores.view(S, Hkv, G, T, L).masked_fill_(blocked[:, :, None], float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), values).view(S, H, T, D)
+        scores[:, :, : H // Hkv * T].view(S, Hkv, H // Hkv, T, L).masked_fill_(blocked[:, :, None], float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def _plain(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None,
+           scale: float | None = None, softcap: float | None = None, pad: int = 1) -> torch.Tensor:
+    """Attention as two matrix products and a softmax over the padded history (masked positions weigh 0).
+    ``pad``: the products' rows (G * T per slot and key head) rounded up to a multiple of it."""
+    S, H, T, D = q.shape
+    Hkv = keys.shape[1]
+    out = torch.matmul(_masked_weights(q, keys, blocked, scale, softcap, pad), values)
+    return out[:, :, : H // Hkv * T].reshape(S, H, T, D)
 
 
 def _blocked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None,
-             scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+             scale: float | None = None, softcap: float | None = None, pad: int = 1) -> torch.Tensor:
     """As :func:`_plain`, but the products with the values summed block by block, each a fixed-size
     matrix product (for a library whose summation order follows the history's length)."""
     S, H, T, D = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
-    G, blocks = H // Hkv, L // ATTENTION_BLOCK
-    scores = _scores(q, keys, scale, softcap)
-    if blocked is not None:
-        scores.view(S, Hkv, G, T, L).masked_fill_(blocked[:, :, None], float("-inf"))
-    weights = torch.softmax(scores, dim=-1).view(S, Hkv, G * T, blocks, ATTENTION_BLOCK).transpose(2, 3)
-    parts = torch.matmul(weights, values.view(S, Hkv, blocks, ATTENTION_BLOCK, D))  # [S, Hkv, blocks, GT, D]
-    return parts.sum(dim=2).view(S, H, T, D)  # in order: a shorter history's extra blocks add exact zeros
+    blocks = L // ATTENTION_BLOCK
+    weights = _masked_weights(q, keys, blocked, scale, softcap, pad)
+    rows = weights.shape[2]
+    weights = weights.view(S, Hkv, rows, blocks, ATTENTION_BLOCK).transpose(2, 3)
+    parts = torch.matmul(weights, values.view(S, Hkv, blocks, ATTENTION_BLOCK, D))  # [S, Hkv, blocks, rows, D]
+    out = parts.sum(dim=2)  # in order: a shorter history's extra blocks add exact zeros
+    return out[:, :, : H // Hkv * T].reshape(S, H, T, D)
 
 
 def _fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None,
@@ -197,7 +212,11 @@ def _fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: t
                                           enable_gqa=keys.shape[1] != q.shape[1], scale=scale)
 
 
+ATTENTION_ROWS = (4, 8, 16)  # row multiples tried when a product's row count changes its sums (cheapest first)
 _WAYS = {"plain": _plain, "blocked": _blocked, "fused": _fused}
+for _rows in ATTENTION_ROWS:
+    _WAYS[f"plain/{_rows}"] = functools.partial(_plain, pad=_rows)
+    _WAYS[f"blocked/{_rows}"] = functools.partial(_blocked, pad=_rows)
 _ATTENTION_WAY: dict[tuple, str] = {}  # (device type, dtype) -> the way this machine keeps rows independent
 
 
@@ -206,8 +225,10 @@ def attention_way(device: torch.device, dtype: torch.dtype) -> str:
     """The cheapest way to compute attention on this machine that gives a row the same result whatever
     shares its step (how many slots, how many rows each, the longest history among them): measured
     once per process on random data at several batch shapes, like the matrix products' row rule.
-    PyTorch's fused kernel changes its summation order with all three on some CPUs; it is kept only
-    where nothing else holds (and on GPUs, which are not checked here)."""
+    PyTorch's fused kernel changes its summation order with all three on some CPUs; some BLAS
+    libraries sum a matrix product's row differently by how many rows it has (an AMD EPYC's: 1 row
+    against 2-3 against 4 and more), which padding the rows to a multiple of 4-16 settles. Fused is
+    kept only where nothing else holds (and on GPUs, which are not checked here)."""
     key = (device.type, dtype)
     if key in _ATTENTION_WAY:
         return _ATTENTION_WAY[key]
@@ -222,12 +243,14 @@ def attention_way(device: torch.device, dtype: torch.dtype) -> str:
     ends = torch.randint(T, ATTENTION_BLOCK + T, (S,), generator=g)
     blocked = ~(torch.arange(longest)[None, None, :] <= (ends[:, None] - T + torch.arange(T)[None, :])[:, :, None])[:, None]
     chosen = "fused"
-    for way in ("plain", "blocked"):
+    for way in [w for w in _WAYS if w != "fused"]:  # cheapest first
         fn = _WAYS[way]
-        alone = fn(q[:1, :, :1], k[:1, :, :ATTENTION_BLOCK * 2], v[:1, :, :ATTENTION_BLOCK * 2],
-                   blocked[:1, :, :1, :ATTENTION_BLOCK * 2])
-        if all(torch.equal(fn(q[:s, :, :t], k[:s, :, :n], v[:s, :, :n], blocked[:s, :, :t, :n])[:1, :, :1], alone)
-               for s in (1, 2, S) for t in (1, 2, T) for n in (ATTENTION_BLOCK * 2, longest)):
+        short = ATTENTION_BLOCK * 2
+        alone = [fn(q[i : i + 1, :, j : j + 1], k[i : i + 1, :, :short], v[i : i + 1, :, :short],
+                    blocked[i : i + 1, :, j : j + 1, :short]) for i, j in ((0, 0), (S - 1, T - 1))]
+        if all(torch.equal(out[:1, :, :1], alone[0]) and (s < S or t < T or torch.equal(out[-1:, :, -1:], alone[1]))
+               for s in (1, 2, S) for t in (1, 2, T) for n in (short, longest)
+               for out in [fn(q[:s, :, :t], k[:s, :, :n], v[:s, :, :n], blocked[:s, :, :t, :n])]):
             chosen = way
             break
     _ATTENTION_WAY[key] = chosen
