@@ -11,7 +11,9 @@ prefilling or verifying drafts), so a step's time is mostly reading the weights.
   processor has bfloat16 instructions (or a GPU supports it).
 - ``int8``: weight-only, per output channel, symmetric (``w = q * scale``), activations in
   bfloat16 where the CPU has bfloat16 instructions (else float32): a quarter of float32's bytes.
-  ``torch.ops.aten._weight_int8pack_mm`` computes it without making a dequantized copy.
+  ``torch.ops.aten._weight_int8pack_mm`` computes it without making a dequantized copy. Its input is
+  rounded to bfloat16 where that runs faster on this machine (measured once, :func:`int8_input_dtype`:
+  on an AVX2-only AMD EPYC its float32 path is a scalar loop, 17x slower at 38 rows).
 
 Every kernel here gives a row the same result whatever other rows share the call: where a kernel
 would not (it changes its summation order with the row count on some CPUs), its calls are padded or
@@ -115,6 +117,41 @@ def _int8_kernel_works(q: torch.Tensor, scale: torch.Tensor) -> bool:
         return False
 
 
+def int8_input_dtype(device: str | torch.device) -> torch.dtype:
+    """The dtype the int8 kernel is given its rows in: the model's activation dtype, except on a CPU
+    whose activations are float32 (no bfloat16 instructions), where the kernel's bfloat16 path may
+    still be the fast one. Timed once per machine at 1 and 8 rows and recorded (so every run on it
+    rounds the same way and gives the same tokens); bfloat16 only when it wins by more than half."""
+    device = torch.device(device)
+    dtype = activation_dtype("int8", device)
+    if device.type != "cpu" or dtype != torch.float32:
+        return dtype
+    name = "int8-input-dtype"
+    choice = recorded_choice(name, _time_int8_inputs, lambda v: v in ("float32", "bfloat16"))
+    return torch.bfloat16 if choice == "bfloat16" else torch.float32
+
+
+@torch.inference_mode()
+def _time_int8_inputs() -> str:
+    """Which input dtype the int8 kernel runs faster with on this machine (a decoder-sized layer)."""
+    import time
+
+    generator = torch.Generator().manual_seed(0)
+    q, scale = quantize_int8(torch.randn(1536, 576, generator=generator))
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = [torch.randn(n, 576, generator=generator).to(dtype) for n in (1, 8)]
+        scale_d = scale.to(dtype)
+        for x in rows:  # warm
+            torch.ops.aten._weight_int8pack_mm(x, q, scale_d)
+        start = time.perf_counter()
+        for _ in range(5):
+            for x in rows:
+                torch.ops.aten._weight_int8pack_mm(x, q, scale_d)
+        seconds[dtype] = time.perf_counter() - start
+    return "bfloat16" if seconds[torch.bfloat16] < 0.5 * seconds[torch.float32] else "float32"
+
+
 def _can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
@@ -138,11 +175,13 @@ class Linear:
         self.bias = bias.detach().to(self.dtype).contiguous() if bias is not None else None
         self.packed = self.weight = self.q = self.scale = None
         self.rows_rule = (1, 1 << 30)
+        self.kernel_dtype = self.dtype  # what the kernel is given its rows in
         if precision == "int8":
             q, scale = quantized if quantized is not None else quantize_int8(weight)
+            self.kernel_dtype = int8_input_dtype(self.device)
             # Fresh copies: a tensor read from a file may sit at an address the kernel's aligned loads fault on.
             self.q = q.to(self.device).contiguous().clone()
-            self.scale = scale.to(self.device, self.dtype).contiguous().clone()
+            self.scale = scale.to(self.device, self.kernel_dtype).contiguous().clone()
             if self.device.type != "cpu" and not _int8_kernel_works(self.q, self.scale):
                 self.weight = (self.q.to(self.dtype) * self.scale[:, None]).contiguous()  # dequantized once
                 self.q = None
@@ -158,6 +197,8 @@ class Linear:
         if invariant:
             key = (precision, self.in_features, self.out_features, self.dtype, str(self.device),
                    self.q is not None, self.packed is not None, self.bias is not None)
+            if self.kernel_dtype != self.dtype:
+                key += (self.kernel_dtype,)
             self.rows_rule = known_row_rule(key, lambda: row_rule(self._raw, self.in_features, self.dtype, self.device))
 
     @property
@@ -170,7 +211,7 @@ class Linear:
     def _raw(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel itself on [rows, in] (no padding or chunking)."""
         if self.q is not None:
-            y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+            y = torch.ops.aten._weight_int8pack_mm(x.to(self.kernel_dtype).contiguous(), self.q, self.scale).to(self.dtype)
             return y + self.bias if self.bias is not None else y
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -208,33 +249,46 @@ def _row_rules_file():
     return cache_dir() / "kernels" / f"rows-v{ROW_RULES_VERSION}-torch{torch.__version__}-{safe}.json"
 
 
-def known_row_rule(key: tuple, measure) -> tuple[int, int]:
-    """The row rule for the kernel ``key`` names: from memory, else from this machine's file (CPU
-    kernels only: a GPU's blocking is probed each run), else ``measure()``d and recorded there."""
+def recorded_choice(name: str, measure, valid):
+    """A kernel choice measured once on this machine (processor, threads, PyTorch) and kept in its file:
+    from the file where it is there and ``valid``, else ``measure()``d and recorded."""
     import json
 
-    if key in _ROW_RULES:
-        return _ROW_RULES[key]
-    on_cpu = key[4] == "cpu"
-    name = "|".join(map(str, key))
-    path = _row_rules_file() if on_cpu else None
+    path = _row_rules_file()
     recorded: dict = {}
-    if path is not None and path.is_file():
+    if path.is_file():
         try:
             recorded = json.loads(path.read_text())
         except ValueError:
             recorded = {}  # a damaged file is measured again
-    rule = recorded.get(name)
-    if not (isinstance(rule, list) and len(rule) == 2 and all(isinstance(v, int) and v > 0 for v in rule)):
+    value = recorded.get(name)
+    if not valid(value):
+        value = measure()
+        recorded[name] = value
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(recorded, indent=1, sort_keys=True))
+        os.replace(partial, path)  # whole files only, even with two processes measuring at once
+    return value
+
+
+def known_row_rule(key: tuple, measure) -> tuple[int, int]:
+    """The row rule for the kernel ``key`` names: from memory, else from this machine's file (CPU
+    kernels only: a GPU's blocking is probed each run), else ``measure()``d and recorded there."""
+    if key in _ROW_RULES:
+        return _ROW_RULES[key]
+
+    def valid(rule) -> bool:
+        return isinstance(rule, list) and len(rule) == 2 and all(isinstance(v, int) and v > 0 for v in rule)
+
+    if key[4] == "cpu":
+        rule = recorded_choice("|".join(map(str, key)), lambda: list(measure()), valid)
+    else:
         rule = list(measure())
-        if path is not None:
-            recorded[name] = rule
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-            partial.write_text(json.dumps(recorded, indent=1, sort_keys=True))
-            os.replace(partial, path)  # whole files only, even with two processes measuring at once
     _ROW_RULES[key] = (rule[0], rule[1])
     return _ROW_RULES[key]
+
+
 RULE_ROWS = (1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 33, 48, 64, 65, 96, 128)  # row counts the probe tries
 RULE_CANDIDATES = ((1, 1 << 30), (2, 1 << 30), (1, 64), (2, 64), (1, 32), (2, 32), (1, 16), (2, 16), (2, 8),
                    (1, 1))  # cheapest first; one row per call always holds
