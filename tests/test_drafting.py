@@ -352,7 +352,9 @@ def test_a_draft_model_of_another_kind_is_refused_with_a_sentence():
 
 def test_drafting_shows_in_status_step_log_and_results(tmp_path):
     log = tmp_path / "steps.jsonl"
-    eng = Engine(backend="cpu", batch=2, drafter="ngram", step_log=log)
+    # A fixed depth: the planner's own choice follows step timings, and on a busy machine drafting may
+    # not pay at all (a fresh clone run beside another suite drafted nothing here)
+    eng = Engine(backend="cpu", batch=2, drafter="ngram", draft_depth=3, step_log=log)
     try:
         got = _ask(eng, PROMPTS[1]).result(300)
         status = eng.status()
@@ -401,8 +403,8 @@ def test_cli_drafter_flag_reports_acceptance_and_rejects_unknown_drafters(tmp_pa
     from test_cli import cadence
 
     prompt = "Copy this list as it is: apples, pears, plums, cherries, grapes, lemons, limes."
-    got = json.loads(cadence("chat", prompt, "--drafter", "ngram", "--batch", "off", "--max-tokens", "40", "--json",
-                             check_rc=0, data_dir=tmp_path).stdout)
+    got = json.loads(cadence("chat", prompt, "--drafter", "ngram", "--draft-depth", "3", "--batch", "off",
+                             "--max-tokens", "40", "--json", check_rc=0, data_dir=tmp_path).stdout)  # depth: as above
     off = json.loads(cadence("chat", prompt, "--drafter", "off", "--batch", "off", "--max-tokens", "40", "--json",
                              check_rc=0, data_dir=tmp_path).stdout)
     assert got["tokens"] == off["tokens"]
