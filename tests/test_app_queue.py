@@ -196,8 +196,9 @@ def test_a_file_being_transcribed_shows_each_window_as_it_finishes(qtbot, app_ho
     spans = {0: (first, end0), 1: (second, end1)}
     first_index, first_text, first_message, first_lines, first_bar, first_starts = seen[0]
     # Before the file ended, the row showed the first finished window's text and the viewer its timed phrases.
+    # (Either window may finish first: on a wide lane the short second one does, and it holds one phrase.)
     in_first = [p for p in phrases if spans[first_index][0] <= p["start"] < spans[first_index][1]]
-    assert first_message == first_text and first_lines == [p["text"] for p in in_first] and len(in_first) > 1
+    assert first_message == first_text and first_lines == [p["text"] for p in in_first] and in_first
     assert first_starts == [clock(p["start"]) for p in in_first]
     assert first_bar == (50, "50% (1/2)")  # the bar moved with the first window, not only at the end
     by_index = dict((index, text) for index, text, *_ in seen)
