@@ -126,9 +126,13 @@ def int8_input_dtype(device: str | torch.device) -> torch.dtype:
     dtype = activation_dtype("int8", device)
     if device.type != "cpu" or dtype != torch.float32:
         return dtype
-    name = "int8-input-dtype"
-    choice = recorded_choice(name, _time_int8_inputs, lambda v: v in ("float32", "bfloat16"))
-    return torch.bfloat16 if choice == "bfloat16" else torch.float32
+    if not _INT8_INPUT:  # read (or timed) once per process, not once per layer
+        choice = recorded_choice("int8-input-dtype", _time_int8_inputs, lambda v: v in ("float32", "bfloat16"))
+        _INT8_INPUT.append(torch.bfloat16 if choice == "bfloat16" else torch.float32)
+    return _INT8_INPUT[0]
+
+
+_INT8_INPUT: list[torch.dtype] = []  # this machine's int8 input dtype on CPU, once read
 
 
 @torch.inference_mode()

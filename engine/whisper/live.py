@@ -170,7 +170,6 @@ class LiveRun(TranscriptionRun):
         self.shown: dict[int, int] = {}  # first frame -> the plan index of its latest caption (a finished decoding)
         self.deferred: dict[int, int] = {}  # first frame -> a grown window's plan index, waiting for the decoding before
         self.provisional: set[int] = set()  # plan indices decoded as new speech joined onto an earlier caption
-        self.pieces = 0  # grown windows captioned from their new speech alone
 
     def start(self) -> list:
         plan, handle = self.plan, self.handle
@@ -242,7 +241,6 @@ class LiveRun(TranscriptionRun):
             self.decoding[index] = WindowDecoding(base, list(base.tokens), steps=steps,
                                                   words=list(base.words) if base.words is not None else None)
             self.provisional.add(index)
-            self.pieces += 1
             self._add(index, pad_window(features[:, frames:size]), size - frames)
         else:
             self._add(index, features, size)
