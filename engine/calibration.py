@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from engine.filelock import held
 from engine.paths import cache_dir
 from engine.seam import ATTENTION_BLOCK, MIN_SLOT_LENGTH, BatchedDecoder, StepBatch
 
@@ -150,6 +151,11 @@ def calibrate(decoder: BatchedDecoder, model: str, model_key: str, use_cache: bo
     """The measured curve and chosen width for this model on this device (cached)."""
     device = device_identity(decoder.device)
     path = _cache_file(model_key, device)
+    with held(path):  # one process measures this machine at a time; the next reads its result
+        return _calibrate(decoder, model, device, path, use_cache)
+
+
+def _calibrate(decoder: BatchedDecoder, model: str, device: str, path, use_cache: bool) -> Calibration:
     if use_cache and path.exists():
         try:
             data = json.loads(path.read_text())
@@ -173,7 +179,7 @@ def calibrate(decoder: BatchedDecoder, model: str, model_key: str, use_cache: bo
     result.seconds = round(time.perf_counter() - t0, 2)
     result.chosen = choose_width(result.widths, result.step_ms, limit)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(result.to_json(), indent=1))
     tmp.replace(path)
     return result

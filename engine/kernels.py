@@ -258,21 +258,29 @@ def recorded_choice(name: str, measure, valid):
     from the file where it is there and ``valid``, else ``measure()``d and recorded."""
     import json
 
+    from engine.filelock import held
+
     path = _row_rules_file()
-    recorded: dict = {}
-    if path.is_file():
+
+    def read() -> dict:
         try:
-            recorded = json.loads(path.read_text())
+            return json.loads(path.read_text()) if path.is_file() else {}
         except ValueError:
-            recorded = {}  # a damaged file is measured again
-    value = recorded.get(name)
-    if not valid(value):
-        value = measure()
-        recorded[name] = value
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(recorded, indent=1, sort_keys=True))
-        os.replace(partial, path)  # whole files only, even with two processes measuring at once
+            return {}  # a damaged file is measured again
+
+    value = read().get(name)
+    if valid(value):
+        return value
+    with held(path):  # one process measures at a time, so two never record different choices
+        recorded = read()  # what another process recorded while this one waited
+        value = recorded.get(name)
+        if not valid(value):
+            value = measure()
+            recorded[name] = value
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+            partial.write_text(json.dumps(recorded, indent=1, sort_keys=True))
+            os.replace(partial, path)  # whole files only: a reader never sees half of one
     return value
 
 

@@ -31,6 +31,7 @@ from engine.models import (
     resolve,
     supported_chat_architectures,
 )
+from engine.filelock import held
 from engine.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -197,10 +198,13 @@ def _transformers_folder(source: ModelSource, foreign_format: str, convert, kind
     target = converted_dir(source)
     if (target / "complete").is_file():
         return target, True
-    log.info("Converting %s into %s (first load only)", source.name, target)
-    manifest = {"converter": CONVERTER_VERSION, "name": source.name, "origin": source.origin,
-                "files": [str(p) for p in source.identity_files()]}
-    _build_atomically(target, lambda tmp: convert(source, tmp), manifest)
+    with held(target):  # another process converting the same model: wait for it and use its folder
+        if (target / "complete").is_file():
+            return target, True
+        log.info("Converting %s into %s (first load only)", source.name, target)
+        manifest = {"converter": CONVERTER_VERSION, "name": source.name, "origin": source.origin,
+                    "files": [str(p) for p in source.identity_files()]}
+        _build_atomically(target, lambda tmp: convert(source, tmp), manifest)
     return target, False
 
 

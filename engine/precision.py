@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch
 
 from engine.api import PRECISION_ENV, parse_precision  # noqa: F401 - the names callers look for here
 from engine.kernels import precisions_on
+from engine.filelock import held
 from engine.paths import cache_dir
 from engine.seam import StepBatch
 
@@ -179,11 +181,17 @@ def choose_precision(loaded, reference, build, model_key: str, use_cache: bool =
     decoder; ``reference``: the model's reference decoder, for prompts and rules) and pick the fastest
     within the quality bounds. Cached per model file, device and PyTorch version."""
     from engine.calibration import device_identity
+
+    identity = device_identity(loaded.model.device if hasattr(loaded.model, "device") else torch.device("cpu"))
+    path = _cache_file(model_key, identity)
+    with held(path):  # one process measures at a time; the next reads its choice
+        return _choose(loaded, reference, build, identity, path, use_cache)
+
+
+def _choose(loaded, reference, build, identity: str, path: Path, use_cache: bool) -> PrecisionChoice:
     from engine.wer import wer as word_error_rate
 
     device = loaded.model.device if hasattr(loaded.model, "device") else torch.device("cpu")
-    identity = device_identity(device)
-    path = _cache_file(model_key, identity)
     if use_cache and path.is_file():
         try:
             return PrecisionChoice(**{**json.loads(path.read_text()), "from_cache": True})
@@ -220,7 +228,7 @@ def choose_precision(loaded, reference, build, model_key: str, use_cache: bool =
     choice.why = _why(choice, chat)
     choice.seconds = round(time.perf_counter() - t0, 2)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(choice.to_json(), indent=1))
     tmp.replace(path)
     return choice

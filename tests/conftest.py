@@ -11,12 +11,16 @@ from pathlib import Path
 import pytest
 
 # Keep the user's own cache and data out of the suite: every run converts the models once, in a
-# cache of its own, which also exercises the cold path.
+# cache of its own, which also exercises the cold path. The workers of `make test` share the run's
+# cache (conversions and calibrations are locked, so one worker makes each and the others wait and
+# read it, as two Cadence processes on one machine do), but each keeps data folders of its own.
 _SESSION_ROOT = Path(tempfile.mkdtemp(prefix="cadence-tests-"))
-if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker of `make test`: its own folders, not the controller's
-    os.environ["CADENCE_CACHE_DIR"] = str(_SESSION_ROOT / "cache")
+_RUN_CACHE = "CADENCE_TEST_RUN_CACHE"  # set by the first process of a run, inherited by its workers
+if not os.environ.get(_RUN_CACHE):
+    os.environ[_RUN_CACHE] = os.environ.get("CADENCE_CACHE_DIR") or str(_SESSION_ROOT / "cache")
+os.environ["CADENCE_CACHE_DIR"] = os.environ[_RUN_CACHE]
+if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker of `make test`: its own data, not the controller's
     os.environ["CADENCE_DATA_DIR"] = str(_SESSION_ROOT / "data")
-os.environ.setdefault("CADENCE_CACHE_DIR", str(_SESSION_ROOT / "cache"))
 os.environ.setdefault("CADENCE_DATA_DIR", str(_SESSION_ROOT / "data"))
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -43,6 +47,19 @@ SPEECH = {
     "weather": ("en-us+m3", 135, "Tomorrow will be cloudy with a chance of rain in the afternoon, so bring an umbrella."),
     "german": ("de", 130, "Guten Morgen. Heute besprechen wir den Plan für die nächste Woche und die neuen Aufgaben."),
 }
+
+
+# The files that take longest, longest first (measured with `make test`'s --durations on 2 cores).
+# `make test` hands each file whole to the next free worker in this order, so the long ones start
+# first and the short ones fill in around them, rather than one long file starting last while the
+# other worker sits idle.
+LONGEST_FIRST = ("test_longform.py", "test_cli.py", "test_drafting.py", "test_whisper_parity.py",
+                 "test_conversations.py", "test_precision.py", "test_cli_transcribe.py", "test_families.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -146,3 +163,22 @@ def ct2_folder(session_dir):
         return folder
 
     return make
+
+
+@pytest.fixture(scope="session")
+def faster_whisper(ct2_folder):
+    """faster-whisper's float32 model for each built-in Whisper, loaded once, on this worker's share of
+    the cores (its default takes them all, which only slows the other worker)."""
+    import torch
+    from faster_whisper import WhisperModel
+
+    models = {}
+
+    def get(name: str):
+        if name not in models:
+            models[name] = WhisperModel(str(ct2_folder(name)), device="cpu", compute_type="float32",
+                                        cpu_threads=torch.get_num_threads())
+        return models[name]
+
+    return get
+

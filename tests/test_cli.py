@@ -118,9 +118,12 @@ def test_transcribe_writes_files_and_refuses_to_overwrite(speech, tmp_path, tiny
 # ---------------------------------------------------------------- chat
 @pytest.fixture(scope="module")
 def serial_answers(smollm):
-    """Each prompt alone, greedy, on the exact single-stream path."""
-    return [json.loads(cadence("chat", p, "--json", "--max-tokens", "12", "--batch", "off", check_rc=0).stdout)
-            for p in PROMPTS]
+    """Each prompt alone, greedy, on the exact single-stream path: the first as a PROMPT (the answer's
+    JSON object), the others from a prompts file, which one slot answers one after another."""
+    first = json.loads(cadence("chat", PROMPTS[0], "--json", "--max-tokens", "12", "--batch", "off", check_rc=0).stdout)
+    rest = cadence("chat", "--prompts", "-", "--json", "--max-tokens", "12", "--batch", "off", check_rc=0,
+                   stdin="\n".join(PROMPTS[1:]) + "\n")
+    return [first, *json.loads(rest.stdout)]
 
 
 CHAT_KEYS = {"conversation_id", "user_message_id", "message_id", "text", "tokens", "finish_reason", "stats"}

@@ -17,20 +17,17 @@ WER_LIMIT = {"whisper-tiny.en": 0.35, "whisper-base": 0.25}  # robotic espeak sp
 HOUR_WER_LIMIT = 0.5
 
 
-def fw_tokens(folder, clip) -> list[int]:
+def fw_tokens(model, clip) -> list[int]:
     """faster-whisper's sequential run on the voice-activity windows Cadence decodes by default."""
-    from faster_whisper import WhisperModel
-
-    model = WhisperModel(str(folder), device="cpu", compute_type="float32", cpu_threads=2)
     segments, _ = model.transcribe(str(clip), language="en", beam_size=1, temperature=0, without_timestamps=True,
                                    condition_on_previous_text=False, clip_timestamps=clip_timestamps(clip))
     return [t for s in segments for t in s.tokens]
 
 
 @pytest.mark.parametrize("model", ["whisper-tiny.en", "whisper-base"])
-def test_mixed_batch_equals_faster_whisper_batched_and_unbatched(model, engine4, engine_off, speech, ct2_folder):
+def test_mixed_batch_equals_faster_whisper_batched_and_unbatched(model, engine4, engine_off, speech, faster_whisper):
     names = ["long", "fox", "weather", "report"]
-    want = {n: fw_tokens(ct2_folder(model), speech[n]) for n in names}
+    want = {n: fw_tokens(faster_whisper(model), speech[n]) for n in names}
     for engine in (engine4, engine_off):
         handles = {n: engine.submit(TranscribeRequest(speech[n], model=model, language="en")) for n in names}
         for n, h in handles.items():

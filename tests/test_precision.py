@@ -123,9 +123,10 @@ def test_a_precision_the_machine_lacks_is_refused_in_one_sentence(monkeypatch):
         Engine(backend="cpu", precision="fast")
 
 
-def test_auto_measures_picks_and_records_its_choice(tiny, speech, session_dir):
+def test_auto_measures_picks_and_records_its_choice(tiny, speech):
     from engine.families.whisper import WhisperBatched
     from engine.loading import source_key
+    from engine.paths import cache_dir
     from engine.precision import choose_precision
     from engine.whisper.reference import WhisperReference
 
@@ -135,7 +136,7 @@ def test_auto_measures_picks_and_records_its_choice(tiny, speech, session_dir):
     assert choice.candidates["float32"]["qualifies"]
     best = max((p for p, e in choice.candidates.items() if e["qualifies"]), key=lambda p: choice.candidates[p]["score"])
     assert choice.chosen == best and choice.why.startswith(f"{choice.chosen}: the fastest within quality bounds")
-    stored = list((session_dir / "cache" / "precision").glob("*.json"))
+    stored = list((cache_dir() / "precision").glob("*.json"))
     assert any(json.loads(p.read_text())["chosen"] == choice.chosen for p in stored)
     assert choose_precision(tiny, reference, lambda p: WhisperBatched(tiny, precision=p),
                             source_key(tiny.source)).from_cache

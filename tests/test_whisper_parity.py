@@ -1,7 +1,6 @@
 """The reference Whisper decoder gives faster-whisper's token ids on the same weights."""
 
 import pytest
-from faster_whisper import WhisperModel
 from parity import clip_timestamps
 
 from engine.audio import load_audio
@@ -24,10 +23,10 @@ def _words(text):
 
 
 @pytest.mark.parametrize("model_name", ["whisper-tiny.en", "whisper-base"])
-def test_token_parity_with_faster_whisper(model_name, request, speech, ct2_folder):
+def test_token_parity_with_faster_whisper(model_name, request, speech, faster_whisper):
     loaded = request.getfixturevalue("tiny" if model_name == "whisper-tiny.en" else "base")
     ours = WhisperReference(loaded)
-    theirs = WhisperModel(str(ct2_folder(model_name)), device="cpu", compute_type="float32")
+    theirs = faster_whisper(model_name)
     for name in ("fox", "report", "budget", "long"):
         # Fixed 30-s windows: faster-whisper's sequential run as it comes.
         transcript = transcribe_file(ours, speech[name], windowing="fixed")
@@ -52,7 +51,7 @@ def test_token_parity_with_faster_whisper(model_name, request, speech, ct2_folde
 
 
 @pytest.mark.parametrize("model_name", ["whisper-tiny.en", "whisper-base"])
-def test_timestamp_tokens_match_ctranslate2_on_the_same_windows(model_name, request, speech, ct2_folder):
+def test_timestamp_tokens_match_ctranslate2_on_the_same_windows(model_name, request, speech, faster_whisper):
     """With timestamps, each window's tokens (times included) are the ones faster-whisper's decoder
     (CTranslate2's generate, with its time-token rules) writes for the same features and prompt."""
     import ctranslate2
@@ -60,7 +59,7 @@ def test_timestamp_tokens_match_ctranslate2_on_the_same_windows(model_name, requ
     loaded = request.getfixturevalue("tiny" if model_name == "whisper-tiny.en" else "base")
     ours = WhisperReference(loaded)
     rules = TimestampRules.of(ours.tok)
-    theirs = WhisperModel(str(ct2_folder(model_name)), device="cpu", compute_type="float32").model
+    theirs = faster_whisper(model_name).model
     times = 0
     for name in ("fox", "report", "budget", "long"):
         plan = plan_transcription(ours, load_audio(speech[name]), timestamps=True)
@@ -77,9 +76,9 @@ def test_timestamp_tokens_match_ctranslate2_on_the_same_windows(model_name, requ
     assert times >= 12  # phrases were timed, not one stretch per window
 
 
-def test_multilingual_detects_language_and_matches(base, speech, ct2_folder):
+def test_multilingual_detects_language_and_matches(base, speech, faster_whisper):
     ours = WhisperReference(base)
-    theirs = WhisperModel(str(ct2_folder("whisper-base")), device="cpu", compute_type="float32")
+    theirs = faster_whisper("whisper-base")
     transcript = transcribe_file(ours, speech["german"])
     expected, language = _faster_whisper_tokens(theirs, speech["german"], same_windows=True)
     assert transcript.language == language == "de"

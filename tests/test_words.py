@@ -7,7 +7,6 @@ import shutil
 from statistics import median
 
 import pytest
-from faster_whisper import WhisperModel
 from parity import clip_timestamps
 
 from engine import TranscribeRequest
@@ -36,9 +35,9 @@ def test_the_path_through_the_attention_is_the_cheapest_monotonic_one():
     assert list(rows) == [0, 1, 2] and list(columns) == [0, 0, 0]
 
 
-def test_engine_words_equal_the_reference_and_faster_whisper(engine4, tiny, speech, ct2_folder):
+def test_engine_words_equal_the_reference_and_faster_whisper(engine4, tiny, speech, faster_whisper):
     ref = WhisperReference(tiny)
-    theirs = WhisperModel(str(ct2_folder("whisper-tiny.en")), device="cpu", compute_type="float32")
+    theirs = faster_whisper("whisper-tiny.en")
     handles = {name: (engine4.submit(TranscribeRequest(speech[name], timestamps=True, words=True)),
                       engine4.submit(TranscribeRequest(speech[name], timestamps=True)))
                for name in ("fox", "report", "budget", "long")}
