@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from PySide6.QtCore import QTimer, Signal
+from PySide6.QtGui import QPalette, QTextCharFormat
 from PySide6.QtWidgets import (
     QComboBox,
     QFormLayout,
@@ -55,9 +56,12 @@ class RecordView(QWidget):
         self.message.setWordWrap(True)
         self.captions = QPlainTextEdit()
         self.captions.setReadOnly(True)
-        self.captions.setPlaceholderText("While you record, what is said appears here, a few seconds behind.")
+        self.captions.setPlaceholderText("While you record, what is said appears here, a few seconds behind. "
+                                         "Lines in grey italics may still change as you go on speaking.")
         self.live = None  # the recording's live transcription (engine.api.LiveHandle)
-        self.live_lines: dict[int, list[tuple[float, str]]] = {}  # window -> its (start, text) lines
+        # window -> (provisional, its (start, text) lines); provisional: the window's newest speech was
+        # joined onto its earlier caption, and the whole window is read again (after Stop at the latest)
+        self.live_lines: dict[int, tuple[bool, list[tuple[float, str]]]] = {}
         form = QFormLayout()
         device_row = QHBoxLayout()
         device_row.addWidget(self.device, 1)
@@ -147,7 +151,7 @@ class RecordView(QWidget):
         changed = False
         for event in drain(self.live.events, block=False):
             if event.kind == "progress":
-                self.live_lines[event.index] = [(s.start, s.text) for s in event.segments]
+                self.live_lines[event.index] = (event.provisional, [(s.start, s.text) for s in event.segments])
                 changed = True
             elif event.kind == "failed":
                 self.message.setText(f"Live captions stopped: {event.message}")
@@ -155,10 +159,34 @@ class RecordView(QWidget):
                 self.live = None
                 break
         if changed:
-            lines = [f"{clock(start)}  {text}" for index in sorted(self.live_lines)
-                     for start, text in self.live_lines[index]]
-            self.captions.setPlainText("\n".join(lines))
-            self.captions.verticalScrollBar().setValue(self.captions.verticalScrollBar().maximum())
+            self.show_lines()
+
+    def show_lines(self) -> None:
+        """Every window's caption lines in time order; a provisional window's in grey italics."""
+        provisional = QTextCharFormat()
+        provisional.setFontItalic(True)
+        provisional.setForeground(self.palette().color(QPalette.ColorRole.PlaceholderText))
+        self.captions.clear()
+        cursor = self.captions.textCursor()
+        first = True
+        for index in sorted(self.live_lines):
+            tentative, lines = self.live_lines[index]
+            for start, text in lines:
+                if not first:
+                    cursor.insertBlock()
+                cursor.insertText(f"{clock(start)}  {text}", provisional if tentative else QTextCharFormat())
+                first = False
+        self.captions.verticalScrollBar().setValue(self.captions.verticalScrollBar().maximum())
+
+    def provisional_lines(self) -> list[str]:
+        """The caption lines now shown as provisional (grey italics), as they read."""
+        block, shown = self.captions.document().firstBlock(), []
+        while block.isValid():
+            fragments = block.begin()
+            if not fragments.atEnd() and fragments.fragment().charFormat().fontItalic():
+                shown.append(block.text())
+            block = block.next()
+        return shown
 
     @property
     def caption_text(self) -> str:

@@ -138,6 +138,8 @@ def test_record_tab_shows_captions_and_queues_the_same_transcript(qtbot, app_hom
     [job] = window.bridge.jobs.list()
     assert job.state == "done" and job.path == str(path)
     assert "umbrella" not in view.caption_text.lower()
+    qtbot.waitUntil(lambda: view.live is None, timeout=60000)  # the live run's last event was shown
+    assert view.provisional_lines() == []  # every window read whole by now: no caption left in grey
     plain = window.bridge.engine.submit(TranscribeRequest(path, timestamps=True)).result(600)
     assert job.result["text"] == plain.text
     assert [(s["start"], s["end"], s["text"]) for s in job.result["segments"]] == \
@@ -242,3 +244,15 @@ def test_a_window_that_grows_keeps_its_captions_and_adds_the_new_speech(engine4,
     plain = engine4.submit(TranscribeRequest(path, timestamps=True)).result(600)
     assert _segments(final) == _segments(plain) and final.stats.get("reused_windows", 0) >= 1
     assert _segments(live.final.transcript) == _segments(plain)  # the window's latest decoding, once
+
+
+def test_provisional_captions_are_shown_apart_until_their_window_is_read_whole(qtbot, app_home):  # noqa: F811
+    view = open_window(qtbot, app_home()).recording
+    view.live_lines = {0: (False, [(0.0, "The quick brown fox.")]), 1: (True, [(31.0, "Please remember to send")])}
+    view.show_lines()
+    assert view.caption_text == "0:00  The quick brown fox.\n0:31  Please remember to send"
+    assert view.provisional_lines() == ["0:31  Please remember to send"]
+    view.live_lines[1] = (False, [(31.0, "Please remember to send the report.")])  # the whole window, read again
+    view.show_lines()
+    assert view.provisional_lines() == [] and view.caption_text.endswith("send the report.")
+
