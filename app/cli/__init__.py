@@ -118,8 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "then quit (exit status 0 when all went well; QT_QPA_PLATFORM=offscreen where there is no display)")
     p.set_defaults(func=cmd_gui)
 
+    from app.cli.serve import add_parser as add_serve_parser
     from app.cli.train import add_parser as add_train_parser
 
+    add_serve_parser(sub, BACKENDS)
     add_train_parser(sub)
     return parser
 

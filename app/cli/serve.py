@@ -1,0 +1,67 @@
+"""`cadence serve`: the engine behind an OpenAI-compatible HTTP API on this machine (see app/server.py)."""
+
+from __future__ import annotations
+
+import os
+
+from engine.errors import CadenceError
+
+from app.cli.common import add_engine_flags, check_model, engine_options, err, parse_batch, quiet_libraries
+
+DEFAULT_PORT = 8000
+
+
+def add_parser(sub, backends) -> None:
+    from engine.models import DEFAULT_CHAT
+
+    p = sub.add_parser("serve", help="serve the engine over an OpenAI-compatible HTTP API (127.0.0.1 unless told)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this computer only; any other needs --api-key)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks a free one)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: CADENCE_API_KEY)")
+    p.add_argument("--model", action="append", default=None, metavar="NAME",
+                   help=f"chat model to serve, loaded at start (repeatable; default {DEFAULT_CHAT})")
+    add_engine_flags(p, backends)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from engine.models import CHAT, DEFAULT_CHAT
+
+    from app.server import Service, check_host, create_app
+
+    api_key = args.api_key or os.environ.get("CADENCE_API_KEY") or None
+    check_host(args.host, api_key)
+    if not 0 <= args.port <= 65535:
+        raise CadenceError(f"--port must be between 0 and 65535 (got {args.port}).")
+    models = [check_model(name, CHAT).name for name in (args.model or [DEFAULT_CHAT])]
+    batch = parse_batch(args.batch)
+    options = engine_options(args)
+    quiet_libraries()
+    import uvicorn
+
+    from engine import Engine
+
+    engine = Engine(backend=args.backend, batch=batch, **options)
+    service = Service(engine, models, api_key)
+    service.warm()
+    config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    original_startup = server.startup
+
+    async def startup(sockets=None):  # say where it listens once it does (port 0: the one picked)
+        await original_startup(sockets)
+        for listener in server.servers:
+            for sock in listener.sockets:
+                host, port = sock.getsockname()[:2]
+                err(f"Serving {', '.join(models)} at http://{host}:{port}/v1 (models load now; GET /health says "
+                    "when they are ready). Ctrl-C stops.")
+
+    server.startup = startup
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0

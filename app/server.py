@@ -1,0 +1,277 @@
+"""`cadence serve`: the engine behind an OpenAI-compatible HTTP API (FastAPI), for other programs
+(editors, scripts, chat front ends) and for a Cadence on another machine.
+
+What it serves so far: ``GET /health`` (503 while the default chat model loads, then 200),
+``GET /v1/models``, ``GET /slots`` (llama.cpp's shape) and ``POST /v1/chat/completions`` streamed (server-sent events ending with
+``data: [DONE]``) and not. Every request shares the engine's lanes with every other: many clients
+decode side by side in one batch. A client that goes away mid-answer has its request cancelled, which
+frees its slot. Errors are OpenAI's JSON shape with one sentence; no traceback leaves the server.
+
+Safe by default: it binds to 127.0.0.1; another address needs an API key (``--api-key`` or
+``CADENCE_API_KEY``), which every ``/v1`` route and ``/slots`` then check (constant-time)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.errors import CadenceError, RequestError
+
+MAX_BODY_BYTES = 4 << 20  # a chat request far larger than any context a model here takes
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def chat_request(body: dict, models: list[str]):
+    """The engine's :class:`~engine.api.ChatRequest` for an OpenAI chat-completions body (or ApiError)."""
+    from engine.api import ChatRequest
+    from engine.sampling import SamplingParams
+
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "Name a model: 'model' must be one of the names GET /v1/models lists.", param="model")
+    if model not in models:
+        raise ApiError(404, f"The model '{model}' is not served here (GET /v1/models lists those that are).",
+                       param="model", code="model_not_found")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects.", param="messages")
+    turns = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise ApiError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}.",
+                           param=f"messages[{i}]")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(400, f"messages[{i}] may only hold text parts.", param=f"messages[{i}].content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be text.", param=f"messages[{i}].content")
+        turns.append({"role": "system" if message["role"] == "developer" else message["role"], "content": content})
+    system = turns.pop(0)["content"] if turns[0]["role"] == "system" else None
+    if not turns or turns[-1]["role"] != "user":
+        raise ApiError(400, "The last message must be the user's: it is the one answered.", param="messages")
+    if any(t["role"] == "system" for t in turns):
+        raise ApiError(400, "A system message may only come first.", param="messages")
+    params = sampling_params(body)
+    return ChatRequest(turns[-1]["content"], system=system, history=turns[:-1], model=model, params=params)
+
+
+def sampling_params(body: dict):
+    from engine.sampling import SamplingParams
+
+    def number(name: str, default, kind=(int, float)):
+        value = body.get(name, default)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ApiError(400, f"'{name}' must be a number.", param=name)
+        return value
+
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
+        raise ApiError(400, "'max_tokens' must be a whole number.", param="max_tokens")
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ApiError(400, "'stop' must be a string or a list of strings.", param="stop")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(400, "'seed' must be a whole number.", param="seed")
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "Only one answer per request is served ('n' must be 1).", param="n")
+    params = SamplingParams(temperature=float(number("temperature", 1.0)), top_p=float(number("top_p", 1.0)),
+                            presence_penalty=float(number("presence_penalty", 0.0)),
+                            frequency_penalty=float(number("frequency_penalty", 0.0)), stop=stop, seed=seed,
+                            **({"max_tokens": max_tokens} if max_tokens is not None else {}))
+    try:
+        return params.validate()
+    except RequestError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+class Service:
+    """The engine and what the routes share: the models served and whether they are loaded."""
+
+    def __init__(self, engine, models: list[str], api_key: str | None = None):
+        self.engine, self.models, self.api_key = engine, models, api_key
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+        self.created = int(time.time())
+
+    def warm(self) -> None:
+        """Load every served model (a one-token answer each) on a thread of its own; /health says 503 until then."""
+        from engine.api import ChatRequest
+        from engine.sampling import SamplingParams
+
+        def run():
+            try:
+                for model in self.models:
+                    self.engine.submit(ChatRequest("Hi", model=model, params=SamplingParams(max_tokens=1))).result()
+            except CadenceError as exc:
+                self.load_error = str(exc)
+            self.ready.set()
+
+        threading.Thread(target=run, name="cadence-serve-warm", daemon=True).start()
+
+    def check_key(self, authorization: str | None) -> None:
+        if self.api_key is None:
+            return
+        given = (authorization or "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            raise ApiError(401, "The API key is missing or wrong (send 'Authorization: Bearer KEY').",
+                           kind="authentication_error", code="invalid_api_key")
+
+
+def completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex[:24]}"
+
+
+def usage(answer) -> dict:
+    prompt = int(answer.stats.get("prompt_tokens", 0))
+    return {"prompt_tokens": prompt, "completion_tokens": len(answer.tokens),
+            "total_tokens": prompt + len(answer.tokens)}
+
+
+def finish_reason(answer) -> str:
+    return "length" if answer.finish_reason == "length" else "stop"
+
+
+def create_app(service: Service):
+    app = FastAPI(title="Cadence", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error(exc: ApiError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, exc: ApiError):
+        return error(exc)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request, exc: Exception):  # one sentence out, the traceback into the fault log
+        from engine.errors import record_fault
+
+        where = record_fault(exc)
+        return error(ApiError(500, f"The server failed unexpectedly; the details are in {where}.", kind="server_error"))
+
+    @app.get("/health")
+    async def health():
+        if not service.ready.is_set():
+            return JSONResponse({"status": "loading"}, status_code=503)
+        if service.load_error:
+            return JSONResponse({"status": "error", "message": service.load_error}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        service.check_key(request.headers.get("authorization"))
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": service.created,
+                                            "owned_by": "cadence"} for m in service.models]}
+
+    @app.get("/slots")
+    async def slots(request: Request):
+        """Every slot of every served model's lane, in llama.cpp's shape (plus the model and drafting)."""
+        service.check_key(request.headers.get("authorization"))
+        status = await asyncio.to_thread(service.engine.status)
+        out = []
+        for model, lane in status["lanes"].items():
+            for i, slot in enumerate(lane["slots"]):
+                busy = slot is not None
+                out.append({"id": len(out), "model": model, "slot": i, "is_processing": busy,
+                            "id_task": slot["request"] if busy else None, "n_ctx": lane["context"],
+                            "next_token": {"n_decoded": slot["tokens"] if busy else 0},
+                            "drafting": {"drafted": slot["drafted"], "accepted": slot["accepted"]} if busy else None})
+        return out
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        service.check_key(request.headers.get("authorization"))
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"The request is larger than {MAX_BODY_BYTES >> 20} MB.")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError(400, "The request body is not valid JSON.") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "The request body must be a JSON object.")
+        chat = chat_request(body, service.models)
+        handle = service.engine.submit(chat)
+        if body.get("stream"):
+            options = body.get("stream_options") or {}
+            return StreamingResponse(stream(handle, chat.model, bool(options.get("include_usage"))),
+                                     media_type="text/event-stream")
+        try:
+            answer = await asyncio.to_thread(handle.result)
+        except CadenceError as exc:
+            raise ApiError(400, str(exc)) from None
+        finally:
+            if not handle.ended:  # the client went away: free the slot
+                handle.cancel()
+        return {"id": completion_id(), "object": "chat.completion", "created": int(time.time()), "model": chat.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text},
+                             "finish_reason": finish_reason(answer), "logprobs": None}],
+                "usage": usage(answer)}
+
+    async def stream(handle, model: str, include_usage: bool):
+        """The answer as chat.completion.chunk events; the handle is cancelled if the client goes away."""
+        ident, created = completion_id(), int(time.time())
+
+        def chunk(delta: dict, reason: str | None = None, **extra) -> str:
+            choices = [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}]
+            return "data: " + json.dumps({"id": ident, "object": "chat.completion.chunk", "created": created,
+                                          "model": model, "choices": choices, **extra}, ensure_ascii=False) + "\n\n"
+
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            while True:
+                event = await asyncio.to_thread(handle.events.get)
+                if event.kind == "delta" and event.text:
+                    yield chunk({"content": event.text})
+                elif event.kind == "finished":
+                    answer = event.answer
+                    yield chunk({}, finish_reason(answer))
+                    if include_usage:
+                        yield "data: " + json.dumps({"id": ident, "object": "chat.completion.chunk", "created": created,
+                                                     "model": model, "choices": [], "usage": usage(answer)}) + "\n\n"
+                    break
+                elif event.kind == "failed":
+                    yield "data: " + json.dumps(ApiError(400, event.message).body()) + "\n\n"
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not handle.ended:
+                handle.cancel()
+
+    return app
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def check_host(host: str, api_key: str | None) -> None:
+    if host not in LOOPBACK and not api_key:
+        raise CadenceError(f"Serving on {host} would let other computers use this one's engine: give an API key "
+                           "(--api-key or CADENCE_API_KEY), or serve on 127.0.0.1.")
