@@ -1,14 +1,15 @@
 """`cadence serve`: the engine behind an OpenAI-compatible HTTP API (FastAPI), for other programs
 (editors, scripts, chat front ends) and for a Cadence on another machine.
 
-What it serves so far: ``GET /health`` (503 while the default chat model loads, then 200),
-``GET /v1/models``, ``GET /slots`` (llama.cpp's shape) and ``POST /v1/chat/completions`` streamed (server-sent events ending with
-``data: [DONE]``) and not. Every request shares the engine's lanes with every other: many clients
+What it serves so far: ``GET /health`` (503 while the models load, then 200), ``GET /v1/models``,
+``GET /slots`` (llama.cpp's shape), ``GET /metrics`` (Prometheus, vLLM's names under ``cadence:``;
+app/server_metrics.py), and ``POST /v1/chat/completions`` and ``POST /v1/completions``, streamed
+(server-sent events ending with ``data: [DONE]``) or not. Every request shares the engine's lanes with every other: many clients
 decode side by side in one batch. A client that goes away mid-answer has its request cancelled, which
 frees its slot. Errors are OpenAI's JSON shape with one sentence; no traceback leaves the server.
 
 Safe by default: it binds to 127.0.0.1; another address needs an API key (``--api-key`` or
-``CADENCE_API_KEY``), which every ``/v1`` route and ``/slots`` then check (constant-time)."""
+``CADENCE_API_KEY``), which every ``/v1`` route, ``/slots`` and ``/metrics`` then check (constant-time)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.errors import CadenceError, RequestError
 
@@ -40,17 +42,21 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def chat_request(body: dict, models: list[str]):
-    """The engine's :class:`~engine.api.ChatRequest` for an OpenAI chat-completions body (or ApiError)."""
-    from engine.api import ChatRequest
-    from engine.sampling import SamplingParams
-
-    model = body.get("model")
+def check_model(model, models: list[str]) -> str:
     if not isinstance(model, str) or not model:
         raise ApiError(400, "Name a model: 'model' must be one of the names GET /v1/models lists.", param="model")
     if model not in models:
         raise ApiError(404, f"The model '{model}' is not served here (GET /v1/models lists those that are).",
                        param="model", code="model_not_found")
+    return model
+
+
+def chat_request(body: dict, models: list[str]):
+    """The engine's :class:`~engine.api.ChatRequest` for an OpenAI chat-completions body (or ApiError)."""
+    from engine.api import ChatRequest
+    from engine.sampling import SamplingParams
+
+    model = check_model(body.get("model"), models)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects.", param="messages")
@@ -115,7 +121,10 @@ class Service:
     """The engine and what the routes share: the models served and whether they are loaded."""
 
     def __init__(self, engine, models: list[str], api_key: str | None = None):
+        from app.server_metrics import ServerMetrics
+
         self.engine, self.models, self.api_key = engine, models, api_key
+        self.metrics = ServerMetrics(engine)
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.created = int(time.time())
@@ -144,8 +153,43 @@ class Service:
                            kind="authentication_error", code="invalid_api_key")
 
 
-def completion_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex[:24]}"
+class Shape:
+    """How one kind of completion spells its answer: whole, and as streamed chunks."""
+
+    def __init__(self, prefix: str, whole: str, chunk: str, field: str, opening: dict | None):
+        self.prefix, self.whole, self.chunk, self.field, self.opening = prefix, whole, chunk, field, opening
+
+    def new_id(self) -> str:
+        return f"{self.prefix}-{uuid.uuid4().hex[:24]}"
+
+    def choice(self, text: str) -> dict:
+        return {"message": {"role": "assistant", "content": text}} if self.field == "message" else {"text": text}
+
+    def delta(self, text: str | None) -> dict:
+        if self.field == "message":
+            return {"delta": {} if text is None else {"content": text}}
+        return {"text": text or ""}
+
+
+CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", "message", {"role": "assistant", "content": ""})
+TEXT = Shape("cmpl", "text_completion", "text_completion", "text", None)
+
+
+def text_request(body: dict, service: "Service"):
+    """The engine's request for a plain-text completion: the prompt's tokens as they are (no chat template)."""
+    from engine.api import ChatRequest
+
+    model = check_model(body.get("model"), service.models)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, "'prompt' must be one non-empty text.", param="prompt")
+    for name in ("echo", "suffix", "logprobs", "best_of"):
+        if body.get(name) not in (None, False, 1 if name == "best_of" else None):
+            raise ApiError(400, f"'{name}' is not served here.", param=name)
+    ids = service.engine.reference(model).tokenizer.encode(prompt)
+    return ChatRequest(model=model, prompt_ids=ids, params=sampling_params(body))
 
 
 def usage(answer) -> dict:
@@ -205,8 +249,13 @@ def create_app(service: Service):
                             "drafting": {"drafted": slot["drafted"], "accepted": slot["accepted"]} if busy else None})
         return out
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        service.check_key(request.headers.get("authorization"))
+        text = await asyncio.to_thread(service.metrics.text)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    async def read_body(request: Request) -> dict:
         service.check_key(request.headers.get("authorization"))
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
@@ -217,48 +266,64 @@ def create_app(service: Service):
             raise ApiError(400, "The request body is not valid JSON.") from None
         if not isinstance(body, dict):
             raise ApiError(400, "The request body must be a JSON object.")
-        chat = chat_request(body, service.models)
+        return body
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_body(request)
+        return await answer(body, chat_request(body, service.models), CHAT)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_body(request)
+        return await answer(body, text_request(body, service), TEXT)
+
+    async def answer(body: dict, chat, shape: "Shape"):
         handle = service.engine.submit(chat)
         if body.get("stream"):
             options = body.get("stream_options") or {}
-            return StreamingResponse(stream(handle, chat.model, bool(options.get("include_usage"))),
+            return StreamingResponse(stream(handle, chat.model, shape, bool(options.get("include_usage"))),
                                      media_type="text/event-stream")
         try:
-            answer = await asyncio.to_thread(handle.result)
+            result = await asyncio.to_thread(handle.result)
         except CadenceError as exc:
             raise ApiError(400, str(exc)) from None
         finally:
             if not handle.ended:  # the client went away: free the slot
                 handle.cancel()
-        return {"id": completion_id(), "object": "chat.completion", "created": int(time.time()), "model": chat.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text},
-                             "finish_reason": finish_reason(answer), "logprobs": None}],
-                "usage": usage(answer)}
+        reason = finish_reason(result)
+        service.metrics.finished(chat.model, result, reason)
+        return {"id": shape.new_id(), "object": shape.whole, "created": int(time.time()), "model": chat.model,
+                "choices": [{"index": 0, **shape.choice(result.text), "finish_reason": reason, "logprobs": None}],
+                "usage": usage(result)}
 
-    async def stream(handle, model: str, include_usage: bool):
-        """The answer as chat.completion.chunk events; the handle is cancelled if the client goes away."""
-        ident, created = completion_id(), int(time.time())
+    async def stream(handle, model: str, shape: "Shape", include_usage: bool):
+        """The answer as chunk events; the handle is cancelled if the client goes away."""
+        ident, created = shape.new_id(), int(time.time())
 
-        def chunk(delta: dict, reason: str | None = None, **extra) -> str:
-            choices = [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}]
-            return "data: " + json.dumps({"id": ident, "object": "chat.completion.chunk", "created": created,
-                                          "model": model, "choices": choices, **extra}, ensure_ascii=False) + "\n\n"
+        def event(choices: list, **extra) -> str:
+            return "data: " + json.dumps({"id": ident, "object": shape.chunk, "created": created, "model": model,
+                                          "choices": choices, **extra}, ensure_ascii=False) + "\n\n"
+
+        def chunk(text: str | None, reason: str | None = None) -> str:
+            return event([{"index": 0, **shape.delta(text), "finish_reason": reason, "logprobs": None}])
 
         try:
-            yield chunk({"role": "assistant", "content": ""})
+            if shape.opening is not None:
+                yield event([{"index": 0, "delta": shape.opening, "finish_reason": None, "logprobs": None}])
             while True:
-                event = await asyncio.to_thread(handle.events.get)
-                if event.kind == "delta" and event.text:
-                    yield chunk({"content": event.text})
-                elif event.kind == "finished":
-                    answer = event.answer
-                    yield chunk({}, finish_reason(answer))
+                update = await asyncio.to_thread(handle.events.get)
+                if update.kind == "delta" and update.text:
+                    yield chunk(update.text)
+                elif update.kind == "finished":
+                    result, reason = update.answer, finish_reason(update.answer)
+                    service.metrics.finished(model, result, reason)
+                    yield chunk(None, reason)
                     if include_usage:
-                        yield "data: " + json.dumps({"id": ident, "object": "chat.completion.chunk", "created": created,
-                                                     "model": model, "choices": [], "usage": usage(answer)}) + "\n\n"
+                        yield event([], usage=usage(result))
                     break
-                elif event.kind == "failed":
-                    yield "data: " + json.dumps(ApiError(400, event.message).body()) + "\n\n"
+                elif update.kind == "failed":
+                    yield "data: " + json.dumps(ApiError(400, update.message).body()) + "\n\n"
                     break
             yield "data: [DONE]\n\n"
         finally:

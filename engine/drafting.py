@@ -89,6 +89,11 @@ class DraftCounts:
     def acceptance(self) -> float | None:
         return round(self.accepted / self.drafted, 4) if self.drafted else None
 
+    def raw(self) -> dict:
+        """The counts themselves (for counters that only grow, such as a server's metrics)."""
+        return {"drafted": self.drafted, "accepted": self.accepted, "verifications": self.verifications,
+                "drafted_at": list(self.drafted_at), "accepted_at": list(self.accepted_at)}
+
     def to_json(self) -> dict:
         positions = [round(a / d, 3) for a, d in zip(self.accepted_at, self.drafted_at) if d]
         return {"drafted": self.drafted, "accepted": self.accepted, "acceptance": self.acceptance,

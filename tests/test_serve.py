@@ -170,7 +170,9 @@ def test_slots_show_eight_busy_and_clients_that_go_away_free_theirs(server, clie
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": -1}).encode(), 400,
      "Temperature"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi " * 12000}]}).encode(), 400, "tokens"),
-])
+    (b'{"model": "' + b"a" * (20 << 20) + b'"}', 413, "larger than"),
+], ids=["malformed-json", "not-an-object", "unknown-model", "no-messages", "unknown-role", "content-not-text",
+        "max-tokens-0", "max-tokens-text", "negative-temperature", "over-the-context", "20-MB-body"])
 def test_bad_requests_get_one_sentence_and_the_server_goes_on(server, body, status, words):
     code, answer = _post(server, body)
     assert code == status, answer
@@ -196,3 +198,48 @@ def test_serving_beyond_loopback_needs_a_key():
                           text=True, timeout=120, env=env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "give an API key" in proc.stderr and proc.stderr.strip().endswith(".")
+
+
+def test_text_completions_are_the_engines_streamed_or_not(client, engine4, engine_answers):
+    prompt = "The capital of France is"
+    ids = engine4.reference(MODEL).tokenizer.encode(prompt)
+    want = engine4.submit(ChatRequest(prompt_ids=ids, params=SamplingParams(max_tokens=8))).result(600)
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert whole.choices[0].text == want.text and whole.usage.prompt_tokens == len(ids)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert streamed == want.text
+
+
+def _scrape(server: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    request = urllib.request.Request(server + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_parse_and_count_the_tokens_served(server, client):
+    model = (("model_name", MODEL),)
+    before = _scrape(server)
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}],
+                                            max_tokens=6, temperature=0)
+    after = _scrape(server)
+
+    def moved(name, labels=model):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    assert moved("cadence:generation_tokens_total") == answer.usage.completion_tokens
+    assert moved("cadence:prompt_tokens_total") == answer.usage.prompt_tokens
+    assert moved("cadence:e2e_request_latency_seconds_count") == 1
+    assert moved("cadence:time_to_first_token_seconds_count") == 1
+    reason = (("finished_reason", answer.choices[0].finish_reason), ("model_name", MODEL))
+    assert moved("cadence:request_success_total", reason) == 1
+    assert after[("cadence:lane_width", model)] == 8
+    assert after[("cadence:num_requests_running", model)] == 0 and after[("cadence:num_requests_waiting", model)] == 0
+    drafted, accepted = after[("cadence:spec_decode_num_draft_tokens_total", model)], \
+        after[("cadence:spec_decode_num_accepted_tokens_total", model)]
+    by_position = sum(v for (name, _), v in after.items() if name == "cadence:spec_decode_num_accepted_tokens_per_pos_total")
+    assert 0 <= accepted <= drafted and by_position == accepted
