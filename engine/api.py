@@ -125,6 +125,8 @@ class TranscribeRequest:
     timestamps: bool = False  # True: the model times each phrase (segments of a few seconds), else one per window
     words: bool = False  # True: each word timed too (the model's alignment heads); segments carry ``words``
     speakers: str | int = "off"  # "auto", a number of speakers, or "off": segments carry a ``speaker``
+    # Text that steers every window (names, spelling, style), read by the model as if it came before
+    initial_prompt: str | None = None
     # Resuming: windows finished in an earlier run (index -> WindowResult) are not decoded again.
     done_windows: dict | None = None
     # Windows decoded outside this request (a live recording's), by engine.whisper.pipeline.window_key: reused

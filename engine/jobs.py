@@ -171,7 +171,7 @@ def submit_job(engine, jobs: JobStore, job_id: int, known_windows: dict | None =
         task=options.get("task", "transcribe"), name=job.path, done_windows=jobs.windows(job_id),
         windowing=options.get("windowing", "vad"), timestamps=bool(options.get("timestamps", False)),
         words=bool(options.get("words", False)), speakers=options.get("speakers", "off"),
-        known_windows=known_windows, on_plan=on_plan, on_window=on_window)
+        initial_prompt=options.get("prompt"), known_windows=known_windows, on_plan=on_plan, on_window=on_window)
     jobs._set(job_id, state="running")
     return engine.submit(request)
 

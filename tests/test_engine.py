@@ -76,6 +76,21 @@ def test_batched_whisper_equals_the_reference(engine4, tiny, speech):
         assert [(s.start, s.end) for s in got.segments] == [(s.start, s.end) for s in want.segments]
 
 
+def test_batched_whisper_with_an_initial_prompt_equals_the_reference(engine4, tiny, speech):
+    """The initial prompt rides ahead of every window, timestamps and word alignment included."""
+    ref, prompt = WhisperReference(tiny), "Kwik Braun Phocks, Finance Team."
+    names = ["long", "fox"]
+    handles = [engine4.submit(TranscribeRequest(speech[n], timestamps=True, words=True, initial_prompt=prompt))
+               for n in names]
+    for name, handle in zip(names, handles):
+        got = handle.result(600)
+        want = transcribe_file(ref, speech[name], timestamps=True, words=True, initial_prompt=prompt)
+        assert [s.tokens for s in got.segments] == [s.tokens for s in want.segments], name
+        assert [[(w.start, w.end) for w in s.words] for s in got.segments] == \
+            [[(w.start, w.end) for w in s.words] for s in want.segments]
+    assert "Phocks" in handles[1].result().text
+
+
 def test_events_stream_in_order(engine4):
     handle = engine4.submit(ChatRequest("Say hello.", params=SamplingParams(max_tokens=8)))
     kinds = [e.kind for e in handle]

@@ -50,6 +50,22 @@ def test_token_parity_with_faster_whisper(model_name, request, speech, faster_wh
     assert "finance" in _words(by_vad.text)
 
 
+GLOSSARY = "Glossary: Kwik Braun Phocks, Cadence."
+
+
+def test_initial_prompt_gives_faster_whisper_tokens(tiny, speech, faster_whisper):
+    """An initial prompt is read as faster-whisper reads it (after <|startofprev|>) on a one-window clip, and it
+    steers the words: the glossary's spelling comes through."""
+    ours, theirs = WhisperReference(tiny), faster_whisper("whisper-tiny.en")
+    for name in ("fox", "report"):
+        transcript = transcribe_file(ours, speech[name], windowing="fixed", initial_prompt=GLOSSARY)
+        segments, _ = theirs.transcribe(load_audio(speech[name]), initial_prompt=GLOSSARY, **FW_OPTIONS)
+        assert [t for s in transcript.segments for t in s.tokens] == [t for s in segments for t in s.tokens], name
+    steered = transcribe_file(ours, speech["fox"], windowing="fixed", initial_prompt=GLOSSARY)
+    plain = transcribe_file(ours, speech["fox"], windowing="fixed")
+    assert "Phocks" in steered.text and "Phocks" not in plain.text
+
+
 @pytest.mark.parametrize("model_name", ["whisper-tiny.en", "whisper-base"])
 def test_timestamp_tokens_match_ctranslate2_on_the_same_windows(model_name, request, speech, faster_whisper):
     """With timestamps, each window's tokens (times included) are the ones faster-whisper's decoder

@@ -22,6 +22,9 @@ def add_transcript_flags(p) -> None:
     from engine.subtitles import SubtitleRules
 
     d = SubtitleRules()
+    p.add_argument("--prompt", default=None, metavar="TEXT",
+                   help="text that steers every window: names and spellings to use, a style to follow "
+                        "(read by the model as if it had been said just before)")
     p.add_argument("--speakers", default="off", metavar="auto|N|off",
                    help="tell speakers apart: auto (count them), N (that many) or off (default); segments and "
                         "outputs carry each speaker's label")
@@ -48,7 +51,8 @@ def transcript_options(args) -> dict:
         raise CadenceError(f"--speakers: {exc}") from None
     rules = SubtitleRules(max_chars=args.max_line_chars, max_lines=args.max_lines,
                           min_duration=args.min_cue_duration, max_duration=args.max_cue_duration)
-    return {"speakers": speakers, "words": args.words, "subtitles": rules.to_options()}
+    return {"speakers": speakers, "words": args.words, "subtitles": rules.to_options(),
+            **({"prompt": args.prompt} if args.prompt and args.prompt.strip() else {})}
 
 
 def _target(job, fmt: str) -> Path | None:

@@ -34,6 +34,7 @@ NO_SPEECH_THRESHOLD = 0.6  # skip a window the model calls silent ...
 LOGPROB_THRESHOLD = -1.0  # ... unless its words were confident anyway (faster-whisper's defaults)
 FOLLOW_UP_MIN_S = 0.5  # with timestamps, the rest of a window the model left is decoded if at least this long
 MAX_PARTS = 8  # ... in at most this many parts per window
+MAX_PROMPT_TOKENS = 224  # an initial prompt keeps its last 223 tokens after <|startofprev|> (Whisper's half context)
 
 
 @dataclass
@@ -55,10 +56,19 @@ class TranscriptionPlan:
     speech_probabilities: np.ndarray | None = None  # voice activity per 32 ms, where it was computed
     samples: np.ndarray | None = None  # the audio, kept only until the speakers are told apart
     speaker_turns: object | None = None  # a Future of engine.speakers.Turn list, while they are being told apart
+    # A text given to steer every window (names, spelling, style), as tokens: placed after <|startofprev|>,
+    # where Whisper reads the previous window's text, ahead of each window's own prompt.
+    initial: list[int] = field(default_factory=list)
 
     def set_prompt(self, tok: WhisperTokenizer) -> None:
-        """The decoder's prompt for the plan's language, task and timestamps."""
-        self.prompt = tok.sot_sequence(self.language, self.task) + ([] if self.timestamps else [tok.no_timestamps])
+        """The decoder's prompt for the plan's language, task and timestamps (after the initial prompt, if any)."""
+        previous = [tok.sot_prev] + self.initial if self.initial else []
+        self.prompt = previous + tok.sot_sequence(self.language, self.task) + (
+            [] if self.timestamps else [tok.no_timestamps])
+
+    def start_of_transcript(self) -> list[int]:
+        """The prompt from <|startoftranscript|> on: what word alignment reads (no initial prompt)."""
+        return self.prompt[len(self.initial) + 1:] if self.initial else self.prompt
 
     def window_times(self) -> list[tuple[float, float]]:
         """(start, end) seconds of each window's audio."""
@@ -118,7 +128,8 @@ def plan_windows(features: np.ndarray, samples: np.ndarray, windowing: str,
 
 def plan_transcription(decoder: WhisperReference, samples: np.ndarray, language: str | None = None,
                        task: str = "transcribe", name: str = "audio", detect: bool = True,
-                       windowing: str = "vad", timestamps: bool = False, words: bool = False) -> TranscriptionPlan:
+                       windowing: str = "vad", timestamps: bool = False, words: bool = False,
+                       initial_prompt: str | None = None) -> TranscriptionPlan:
     """Features, windows and silent windows of a clip. With ``detect`` False, an undetected language
     stays None (and the prompt empty) for :func:`detect_plan_language` to settle on the model's thread:
     everything else here is plain array work that any thread may do."""
@@ -140,6 +151,7 @@ def plan_transcription(decoder: WhisperReference, samples: np.ndarray, language:
               if _rms(samples[seek * hop : (seek + size) * hop]) < SILENCE_RMS}
     plan = TranscriptionPlan(name, language, [], samples.size / SAMPLE_RATE, spans, started, silent, task,
                              timestamps=timestamps, words=words)
+    plan.initial = initial_prompt_tokens(tok, initial_prompt)
     plan.speech_probabilities = probabilities
     if language is not None:
         plan.set_prompt(tok)
@@ -151,6 +163,16 @@ def plan_transcription(decoder: WhisperReference, samples: np.ndarray, language:
     if detect:
         detect_plan_language(decoder, plan)
     return plan
+
+
+def initial_prompt_tokens(tok: WhisperTokenizer, text: str | None) -> list[int]:
+    """An initial prompt's tokens as Whisper reads them (a leading space, surrounding blanks dropped; the
+    last 223 tokens of a longer one, as Whisper keeps of the previous text)."""
+    if text is not None and not isinstance(text, str):
+        raise RequestError("The initial prompt must be text.")
+    if text is None or not text.strip():
+        return []
+    return tok.encode(" " + text.strip())[-(MAX_PROMPT_TOKENS - 1):]
 
 
 def detect_plan_language(decoder: WhisperReference, plan: TranscriptionPlan) -> None:
@@ -166,7 +188,8 @@ def read_plan(ref: WhisperReference, req) -> TranscriptionPlan:
     name = str(req.audio) if not isinstance(req.audio, np.ndarray) else (req.name or "audio")
     samples = req.audio if isinstance(req.audio, np.ndarray) else load_audio(req.audio)
     plan = plan_transcription(ref, samples, req.language, req.task, req.name or name, detect=False,
-                              windowing=req.windowing, timestamps=req.timestamps, words=req.words)
+                              windowing=req.windowing, timestamps=req.timestamps, words=req.words,
+                              initial_prompt=req.initial_prompt)
     from engine.speakers import parse_speakers
 
     plan.speakers = parse_speakers(req.speakers)
@@ -256,12 +279,13 @@ def part_frames(plan: TranscriptionPlan, index: int, steps: int) -> int:
 def part_words(tok: WhisperTokenizer, plan: TranscriptionPlan, text: list[int], scores: np.ndarray, index: int,
                steps: int, probabilities: list[float]) -> list[WordTiming]:
     """A part's words from its alignment scores (see engine.whisper.alignment)."""
-    sot_length = len(plan.prompt) - (0 if plan.timestamps else 1)  # the prompt without <|notimestamps|>
+    sot_length = len(plan.start_of_transcript()) - (0 if plan.timestamps else 1)  # without <|notimestamps|>
     return align_words(tok, text, scores, part_frames(plan, index, steps), sot_length, probabilities, plan.language)
 
 
 def part_alignment_prompt(tok: WhisperTokenizer, plan: TranscriptionPlan, text: list[int]) -> list[int]:
-    sot = plan.prompt if plan.timestamps else plan.prompt[:-1]
+    sot = plan.start_of_transcript()
+    sot = sot if plan.timestamps else sot[:-1]
     return alignment_prompt(sot, tok.no_timestamps, text, tok.eot)
 
 
@@ -370,10 +394,11 @@ def assemble_transcript(plan: TranscriptionPlan, tok: WhisperTokenizer, results:
 
 def transcribe_samples(decoder: WhisperReference, samples: np.ndarray, language: str | None = None,
                        task: str = "transcribe", name: str = "audio", windowing: str = "vad",
-                       timestamps: bool = False, words: bool = False) -> Transcript:
-    """Greedy, each window decoded on its own (no previous-text conditioning)."""
+                       timestamps: bool = False, words: bool = False, initial_prompt: str | None = None) -> Transcript:
+    """Greedy, each window decoded on its own (no previous-text conditioning; the initial prompt, if
+    given, ahead of every window)."""
     plan = plan_transcription(decoder, samples, language, task, name, windowing=windowing, timestamps=timestamps,
-                              words=words)
+                              words=words, initial_prompt=initial_prompt)
     rules = TimestampRules.of(decoder.tok) if plan.timestamps else None
     heads = None
     if words:
@@ -405,6 +430,7 @@ def transcribe_samples(decoder: WhisperReference, samples: np.ndarray, language:
 
 
 def transcribe_file(decoder: WhisperReference, path: str | Path, language=None, task="transcribe",
-                    windowing: str = "vad", timestamps: bool = False, words: bool = False) -> Transcript:
+                    windowing: str = "vad", timestamps: bool = False, words: bool = False,
+                    initial_prompt: str | None = None) -> Transcript:
     return transcribe_samples(decoder, load_audio(path), language, task, name=str(path), windowing=windowing,
-                              timestamps=timestamps, words=words)
+                              timestamps=timestamps, words=words, initial_prompt=initial_prompt)
