@@ -1,15 +1,18 @@
 """`cadence serve`: the engine behind an OpenAI-compatible HTTP API (FastAPI), for other programs
 (editors, scripts, chat front ends) and for a Cadence on another machine.
 
-What it serves so far: ``GET /health`` (503 while the models load, then 200), ``GET /v1/models``,
-``GET /slots`` (llama.cpp's shape), ``GET /metrics`` (Prometheus, vLLM's names under ``cadence:``;
-app/server_metrics.py), and ``POST /v1/chat/completions`` and ``POST /v1/completions``, streamed
-(server-sent events ending with ``data: [DONE]``) or not. Every request shares the engine's lanes with every other: many clients
-decode side by side in one batch. A client that goes away mid-answer has its request cancelled, which
-frees its slot. Errors are OpenAI's JSON shape with one sentence; no traceback leaves the server.
+It serves ``GET /health`` (503 while the models load, then 200), ``GET /v1/models``, ``GET /slots``
+(llama.cpp's shape), ``GET /metrics`` (Prometheus, vLLM's names under ``cadence:``; app/server_metrics.py),
+``POST /v1/chat/completions`` and ``POST /v1/completions``, streamed (server-sent events ending with
+``data: [DONE]``) or not, and ``POST /v1/audio/transcriptions`` and ``/v1/audio/translations``
+(app/server_audio.py). Every request shares the engine's lanes with every other: many clients decode
+side by side in one batch. A client that goes away has its request cancelled, which frees its slot.
+Errors are OpenAI's JSON shape with one sentence; no traceback leaves the server.
 
 Safe by default: it binds to 127.0.0.1; another address needs an API key (``--api-key`` or
-``CADENCE_API_KEY``), which every ``/v1`` route, ``/slots`` and ``/metrics`` then check (constant-time)."""
+``CADENCE_API_KEY``), which every ``/v1`` route, ``/slots`` and ``/metrics`` then check (constant-time).
+Bounded: request bodies (4 MB) and uploads (``--max-audio-mb``) have a size limit (413), and beyond
+``--max-waiting`` requests waiting for a slot, a new one is turned away (429 with ``Retry-After``)."""
 
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from engine.errors import CadenceError, RequestError
 
 MAX_BODY_BYTES = 4 << 20  # a chat request far larger than any context a model here takes
+DEFAULT_MAX_WAITING = 256  # requests waiting for a slot before new ones are turned away (429)
+DEFAULT_MAX_AUDIO_MB = 512  # an upload to transcribe: an hour of 44.1 kHz stereo WAV is about 635 MB
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -34,9 +39,10 @@ class ApiError(Exception):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.retry_after = retry_after
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -54,7 +60,6 @@ def check_model(model, models: list[str]) -> str:
 def chat_request(body: dict, models: list[str]):
     """The engine's :class:`~engine.api.ChatRequest` for an OpenAI chat-completions body (or ApiError)."""
     from engine.api import ChatRequest
-    from engine.sampling import SamplingParams
 
     model = check_model(body.get("model"), models)
     messages = body.get("messages")
@@ -84,7 +89,9 @@ def chat_request(body: dict, models: list[str]):
 
 
 def sampling_params(body: dict):
-    from engine.sampling import SamplingParams
+    """The engine's SamplingParams for a body's OpenAI fields: their types checked here (each wrong one named),
+    their values by the engine's own rule (engine.chat.store.sampling_params)."""
+    from engine.chat.store import sampling_params as engine_params
 
     def number(name: str, default, kind=(int, float)):
         value = body.get(name, default)
@@ -107,42 +114,99 @@ def sampling_params(body: dict):
         raise ApiError(400, "'seed' must be a whole number.", param="seed")
     if body.get("n", 1) != 1:
         raise ApiError(400, "Only one answer per request is served ('n' must be 1).", param="n")
-    params = SamplingParams(temperature=float(number("temperature", 1.0)), top_p=float(number("top_p", 1.0)),
-                            presence_penalty=float(number("presence_penalty", 0.0)),
-                            frequency_penalty=float(number("frequency_penalty", 0.0)), stop=stop, seed=seed,
-                            **({"max_tokens": max_tokens} if max_tokens is not None else {}))
+    fields = {"temperature": float(number("temperature", 1.0)), "top_p": float(number("top_p", 1.0)),
+              "presence_penalty": float(number("presence_penalty", 0.0)),
+              "frequency_penalty": float(number("frequency_penalty", 0.0)), "stop": stop, "seed": seed}
+    if max_tokens is not None:
+        fields["max_tokens"] = max_tokens
     try:
-        return params.validate()
+        return engine_params(fields)
     except RequestError as exc:
         raise ApiError(400, str(exc)) from None
 
 
 class Service:
-    """The engine and what the routes share: the models served and whether they are loaded."""
+    """The engine and what the routes share: the models served (chat and Whisper), whether they are loaded,
+    and the requests in flight (for the queue limit)."""
 
-    def __init__(self, engine, models: list[str], api_key: str | None = None):
+    def __init__(self, engine, models: list[str], api_key: str | None = None, whisper_models: list[str] = (),
+                 max_waiting: int = DEFAULT_MAX_WAITING, max_audio_bytes: int = DEFAULT_MAX_AUDIO_MB << 20,
+                 folder=None):
+        from app.server_audio import AudioService
         from app.server_metrics import ServerMetrics
 
         self.engine, self.models, self.api_key = engine, models, api_key
+        self.whisper_models, self.max_waiting = list(whisper_models), max_waiting
+        self.audio = AudioService(engine, self.whisper_models, max_audio_bytes, folder) if whisper_models else None
         self.metrics = ServerMetrics(engine)
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.created = int(time.time())
+        self.in_flight: dict[int, object] = {}  # handle id -> handle, for every request not yet answered
+        self.recent_seconds = 2.0  # a running mean of how long a request takes, for Retry-After
 
     def warm(self) -> None:
-        """Load every served model (a one-token answer each) on a thread of its own; /health says 503 until then."""
-        from engine.api import ChatRequest
+        """Load every served model (a one-token answer, a second of noise) on a thread of its own; /health says
+        503 until then."""
+        import numpy as np
+
+        from engine.api import ChatRequest, TranscribeRequest
         from engine.sampling import SamplingParams
+
+        noise = np.random.default_rng(0).normal(0, 0.05, 16000).astype(np.float32)
 
         def run():
             try:
                 for model in self.models:
                     self.engine.submit(ChatRequest("Hi", model=model, params=SamplingParams(max_tokens=1))).result()
+                for model in self.whisper_models:
+                    self.engine.submit(TranscribeRequest(noise, model=model, windowing="fixed", name="warm-up")).result()
             except CadenceError as exc:
                 self.load_error = str(exc)
             self.ready.set()
 
         threading.Thread(target=run, name="cadence-serve-warm", daemon=True).start()
+
+    def admit(self) -> None:
+        """Turn a new request away (429) when ``max_waiting`` requests already wait for a slot."""
+        for ident, handle in list(self.in_flight.items()):
+            if handle.ended:
+                self.in_flight.pop(ident, None)
+        if len(self.in_flight) < self.max_waiting:  # fewer than the limit even if none had a slot
+            return
+        decoding = {slot["request"] for lane in self.engine.status()["lanes"].values()
+                    for slot in lane["slots"] if slot is not None}
+        waiting = sum(1 for ident in list(self.in_flight) if ident not in decoding)
+        if waiting >= self.max_waiting:
+            raise ApiError(429, f"The server is busy: {waiting} requests already wait for a slot. Try again shortly.",
+                           kind="rate_limit_error", code="queue_full",
+                           retry_after=max(1, round(self.recent_seconds)))
+
+    def track(self, handle) -> None:
+        """Count a submitted request until it ends (ended ones are dropped as requests come in)."""
+        self.in_flight[handle.id] = handle
+
+    def took(self, seconds: float) -> None:
+        """A request was answered in ``seconds``: the running mean behind Retry-After."""
+        self.recent_seconds = 0.8 * self.recent_seconds + 0.2 * seconds
+
+    async def until_done(self, request: Request, handle, wait):
+        """``wait()``'s value (run on a thread); None, with the handle cancelled, if the client goes away first."""
+        self.track(handle)
+        started = time.monotonic()
+        task = asyncio.ensure_future(asyncio.to_thread(wait))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    self.took(time.monotonic() - started)
+                    return task.result()
+                if await request.is_disconnected():
+                    handle.cancel()
+                    return None
+        finally:
+            if not handle.ended and not task.done():
+                handle.cancel()
 
     def check_key(self, authorization: str | None) -> None:
         if self.api_key is None:
@@ -207,6 +271,8 @@ def create_app(service: Service):
 
     def error(exc: ApiError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        if exc.retry_after is not None:
+            headers = {"Retry-After": str(exc.retry_after)}
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(ApiError)
@@ -232,7 +298,7 @@ def create_app(service: Service):
     async def models(request: Request):
         service.check_key(request.headers.get("authorization"))
         return {"object": "list", "data": [{"id": m, "object": "model", "created": service.created,
-                                            "owned_by": "cadence"} for m in service.models]}
+                                            "owned_by": "cadence"} for m in service.models + service.whisper_models]}
 
     @app.get("/slots")
     async def slots(request: Request):
@@ -257,6 +323,7 @@ def create_app(service: Service):
 
     async def read_body(request: Request) -> dict:
         service.check_key(request.headers.get("authorization"))
+        await refuse_if_longer(request, MAX_BODY_BYTES, f"The request is larger than {MAX_BODY_BYTES >> 20} MB.")
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
             raise ApiError(413, f"The request is larger than {MAX_BODY_BYTES >> 20} MB.")
@@ -271,26 +338,27 @@ def create_app(service: Service):
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_body(request)
-        return await answer(body, chat_request(body, service.models), CHAT)
+        return await answer(request, body, chat_request(body, service.models), CHAT)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_body(request)
-        return await answer(body, text_request(body, service), TEXT)
+        return await answer(request, body, text_request(body, service), TEXT)
 
-    async def answer(body: dict, chat, shape: "Shape"):
+    async def answer(request: Request, body: dict, chat, shape: "Shape"):
+        service.admit()
         handle = service.engine.submit(chat)
         if body.get("stream"):
+            service.track(handle)
             options = body.get("stream_options") or {}
             return StreamingResponse(stream(handle, chat.model, shape, bool(options.get("include_usage"))),
                                      media_type="text/event-stream")
         try:
-            result = await asyncio.to_thread(handle.result)
+            result = await service.until_done(request, handle, handle.result)
         except CadenceError as exc:
             raise ApiError(400, str(exc)) from None
-        finally:
-            if not handle.ended:  # the client went away: free the slot
-                handle.cancel()
+        if result is None:  # the client went away; its request was cancelled
+            return Response(status_code=499)
         reason = finish_reason(result)
         service.metrics.finished(chat.model, result, reason)
         return {"id": shape.new_id(), "object": shape.whole, "created": int(time.time()), "model": chat.model,
@@ -318,6 +386,7 @@ def create_app(service: Service):
                 elif update.kind == "finished":
                     result, reason = update.answer, finish_reason(update.answer)
                     service.metrics.finished(model, result, reason)
+                    service.took(float(result.stats.get("end_to_end") or 0.0))
                     yield chunk(None, reason)
                     if include_usage:
                         yield event([], usage=usage(result))
@@ -330,9 +399,27 @@ def create_app(service: Service):
             if not handle.ended:
                 handle.cancel()
 
+    if service.audio is not None:
+        from app.server_audio import add_audio_routes
+
+        add_audio_routes(app, service)
     return app
 
 
+async def refuse_if_longer(request: Request, limit: int, sentence: str) -> None:
+    """413 for a body whose Content-Length passes ``limit``, before any of it is kept. Its bytes are read and
+    dropped first (up to 64 MB more), so the client, still sending, gets the answer rather than a reset
+    connection."""
+    length = request.headers.get("content-length", "")
+    if not length.isdigit() or int(length) <= limit:
+        return
+    if int(length) <= limit + DRAIN_BYTES:
+        async for _ in request.stream():
+            pass
+    raise ApiError(413, sentence)
+
+
+DRAIN_BYTES = 64 << 20
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 

@@ -1,6 +1,7 @@
 """`cadence serve` in a process of its own on loopback, driven by the real `openai` client: the answers
-are the engine's own greedy tokens, streamed or not, one or eight at once; bad requests get OpenAI's
-error shape with one sentence and leave the server serving."""
+are the engine's own greedy tokens, streamed or not, one or eight at once; transcriptions are the
+engine's in every response format; bad requests get OpenAI's error shape with one sentence and leave
+the server serving; beyond its queue limit it turns requests away and loses none."""
 
 import json
 import os
@@ -14,19 +15,21 @@ import urllib.request
 
 import pytest
 
-from engine import ChatRequest, SamplingParams
+from engine import ChatRequest, SamplingParams, TranscribeRequest
 
 KEY = "test-key-1234"
 MODEL = "smollm2-135m-instruct"
+WHISPER = "whisper-tiny.en"
+MAX_AUDIO_MB = 2
 PROMPTS = ["What is the capital of France?", "Name a primary colour.", "List the numbers from one to ten.",
            "Say hello.", "What is two plus two?", "Name a fruit.", "Write one word.", "What colour is the sky?"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def _serve(tmp_path_factory, *flags):
+    """`cadence serve` on a free loopback port, once its models are loaded: yields its URL."""
     env = dict(os.environ, CADENCE_DATA_DIR=str(tmp_path_factory.mktemp("serve-data")))
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", "0", "--api-key", KEY,
-                             "--batch", "8"],
+                             "--precision", "float32", *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     lines = []
     url = None
@@ -46,6 +49,11 @@ def server(tmp_path_factory):
     proc.terminate()
     proc.wait(30)
     assert "Traceback" not in "".join(lines)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from _serve(tmp_path_factory, "--batch", "8", "--max-audio-mb", str(MAX_AUDIO_MB))
 
 
 def _slots(url: str) -> list[dict]:
@@ -90,7 +98,7 @@ def engine_answers(engine4):
 
 def test_models_and_health(server, client):
     assert _status(server + "/health") == 200
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL, WHISPER]
 
 
 def test_greedy_answers_are_the_engines_streamed_or_not(client, engine_answers):
@@ -241,5 +249,164 @@ def test_metrics_parse_and_count_the_tokens_served(server, client):
     assert after[("cadence:num_requests_running", model)] == 0 and after[("cadence:num_requests_waiting", model)] == 0
     drafted, accepted = after[("cadence:spec_decode_num_draft_tokens_total", model)], \
         after[("cadence:spec_decode_num_accepted_tokens_total", model)]
-    by_position = sum(v for (name, _), v in after.items() if name == "cadence:spec_decode_num_accepted_tokens_per_pos_total")
+    by_position = sum(v for (name, labels), v in after.items()
+                      if name == "cadence:spec_decode_num_accepted_tokens_per_pos_total" and model[0] in labels)
     assert 0 <= accepted <= drafted and by_position == accepted
+
+
+def test_a_client_that_leaves_a_whole_answer_frees_its_slot(server):
+    body = json.dumps({"model": MODEL, "max_tokens": 2000, "temperature": 0,
+                       "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}]}).encode()
+    request = urllib.request.Request(server + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with pytest.raises(OSError):  # the client gives up waiting and closes its connection
+        urllib.request.urlopen(request, timeout=4)
+    deadline = time.monotonic() + 20  # (the story would take minutes)
+    while any(s["is_processing"] for s in _slots(server)):
+        assert time.monotonic() < deadline, "a slot was still decoding 20 s after its client left"
+        time.sleep(0.2)
+
+
+# ---------------------------------------------------------------------------- audio
+GLOSSARY = "Kwik Braun Phocks, Finance Team."
+
+
+@pytest.fixture(scope="module")
+def engine_transcripts(engine4, speech):
+    """The engine's own transcripts on the default path (voice-activity windows, timed phrases)."""
+    asks = {"long": {}, "fox": {}, "fox-prompt": {"initial_prompt": GLOSSARY}}
+    handles = {name: engine4.submit(TranscribeRequest(speech[name.split("-")[0]], timestamps=True, **extra))
+               for name, extra in asks.items()}
+    return {name: h.result(600) for name, h in handles.items()}
+
+
+def _transcribe(client, path, fmt, **extra):
+    with open(path, "rb") as f:
+        return client.audio.transcriptions.create(model="whisper-1", file=f, response_format=fmt, **extra)
+
+
+def _clock(text: str) -> float:
+    h, m, s = text.replace(",", ".").split(":")
+    return int(h) * 3600 + int(m) * 60 + float(s)
+
+
+def _cues(text: str, decimal: str) -> list[tuple[float, float, str]]:
+    """(start, end, text) of each SRT or VTT cue; asserts each block's shape."""
+    out = []
+    for block in [b for b in text.strip().split("\n\n") if b != "WEBVTT"]:
+        lines = block.split("\n")
+        if decimal == ",":
+            assert lines.pop(0) == str(len(out) + 1), block
+        found = re.fullmatch(rf"(\d\d:\d\d:\d\d{decimal}\d{{3}}) --> (\d\d:\d\d:\d\d{decimal}\d{{3}})", lines[0])
+        assert found and all(lines[1:]), block
+        out.append((_clock(found.group(1)), _clock(found.group(2)), " ".join(lines[1:])))
+    return out
+
+
+def test_transcriptions_are_the_engines_in_every_format(client, speech, engine_transcripts):
+    want = engine_transcripts["long"]
+    assert _transcribe(client, speech["long"], "json").text == want.text
+    assert _transcribe(client, speech["long"], "text") == want.text + "\n"
+    for fmt, decimal in (("srt", ","), ("vtt", ".")):
+        text = _transcribe(client, speech["long"], fmt)
+        assert text.startswith("WEBVTT\n\n") == (fmt == "vtt")
+        cues = _cues(text, decimal)
+        assert all(a <= b for a, b, _ in cues) and all(p[1] <= n[0] for p, n in zip(cues, cues[1:]))
+        assert " ".join(t for _, _, t in cues).split() == want.text.split()
+    verbose = _transcribe(client, speech["long"], "verbose_json", timestamp_granularities=["segment", "word"])
+    assert verbose.text == want.text and verbose.language == "en" and abs(verbose.duration - want.duration) < 1e-3
+    assert [s.tokens for s in verbose.segments] == [s.tokens for s in want.segments]
+    starts = [s.start for s in verbose.segments]
+    assert starts == sorted(starts) and all(s.start <= s.end for s in verbose.segments)
+    assert all(-10 < s.avg_logprob <= 0 and 0 <= s.no_speech_prob <= 1 for s in verbose.segments)
+    words = verbose.words
+    assert " ".join(w.word for w in words).split() == want.text.split()
+    assert all(a.start <= b.start for a, b in zip(words, words[1:]))
+
+
+def test_a_prompt_steers_the_transcription_as_it_does_the_engines(client, speech, engine_transcripts):
+    steered = _transcribe(client, speech["fox"], "json", prompt=GLOSSARY)
+    assert steered.text == engine_transcripts["fox-prompt"].text and "Phocks" in steered.text
+    assert _transcribe(client, speech["fox"], "json").text == engine_transcripts["fox"].text != steered.text
+
+
+def _bad_audio(tmp_path, kind: str) -> tuple[str, bytes]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    if kind == "junk-bytes":
+        return "noise.wav", rng.integers(0, 256, 200_000, dtype=np.uint8).tobytes()
+    if kind == "empty-file":
+        return "empty.wav", b""
+    if kind == "no-audio-track":
+        from test_audio_inputs import _mp4_with_only_video
+
+        return "video.mp4", _mp4_with_only_video(tmp_path / "video.mp4").read_bytes()
+    return "huge.wav", rng.integers(0, 256, (MAX_AUDIO_MB + 1) << 20, dtype=np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("kind, extra, status, words", [
+    ("junk-bytes", {}, 400, "noise.wav is not an audio or video file"),
+    ("empty-file", {}, 400, "empty.wav is empty"),
+    ("no-audio-track", {}, 400, "video.mp4 has no audio track"),
+    ("over-the-limit", {}, 413, f"larger than this server takes ({MAX_AUDIO_MB} MB"),
+    ("junk-bytes", {"model": "whisper-9"}, 404, "does not transcribe here"),
+    ("junk-bytes", {"response_format": "docx"}, 400, "'response_format' must be one of"),
+    ("junk-bytes", {"temperature": 0.5}, 400, "greedy"),
+])
+def test_bad_audio_gets_one_sentence_and_the_server_goes_on(client, tmp_path, kind, extra, status, words):
+    import openai
+
+    name, data = _bad_audio(tmp_path, kind)
+    with pytest.raises(openai.APIStatusError) as info:
+        client.audio.transcriptions.create(**{"model": "whisper-1", "file": (name, data), **extra})
+    assert info.value.status_code == status
+    message = info.value.body["message"] if "message" in info.value.body else info.value.body["error"]["message"]
+    assert words in message and message.endswith(".") and "Traceback" not in message
+    fine = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert fine.choices[0].message.role == "assistant"
+
+
+def test_an_english_only_model_refuses_to_translate(client, speech):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="English-only; it cannot translate"):
+        with open(speech["fox"], "rb") as f:
+            client.audio.translations.create(model=WHISPER, file=f)
+
+
+# ---------------------------------------------------------------------------- the queue limit
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory):
+    """Two slots and at most two requests waiting; no Whisper."""
+    yield from _serve(tmp_path_factory, "--batch", "2", "--max-waiting", "2", "--whisper-model", "none")
+
+
+def test_requests_beyond_the_queue_limit_are_turned_away_and_none_is_lost(small_server):
+    body = json.dumps({"model": MODEL, "max_tokens": 6, "temperature": 0,
+                       "messages": [{"role": "user", "content": "Say hello."}]}).encode()
+    outcomes = []
+
+    def ask():
+        request = urllib.request.Request(small_server + "/v1/chat/completions", data=body, headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        try:
+            with urllib.request.urlopen(request, timeout=300) as r:
+                outcomes.append((r.status, json.loads(r.read())["choices"][0]["message"]["content"], None))
+        except urllib.error.HTTPError as exc:
+            outcomes.append((exc.code, json.loads(exc.read())["error"]["message"], exc.headers.get("Retry-After")))
+
+    threads = [threading.Thread(target=ask) for _ in range(204)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert len(outcomes) == 204  # every request was answered, one way or the other
+    answered = [text for code, text, _ in outcomes if code == 200]
+    refused = [(text, after) for code, text, after in outcomes if code == 429]
+    assert len(answered) + len(refused) == 204 and len(refused) >= 100 and len(answered) >= 4
+    assert len(set(answered)) == 1  # the same greedy answer each time
+    assert all("busy" in text and text.endswith(".") and after.isdigit() and int(after) >= 1
+               for text, after in refused)
+    code, _ = _post(small_server, body)
+    assert code == 200
