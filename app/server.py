@@ -114,7 +114,13 @@ def sampling_params(body: dict):
         raise ApiError(400, "'seed' must be a whole number.", param="seed")
     if body.get("n", 1) != 1:
         raise ApiError(400, "Only one answer per request is served ('n' must be 1).", param="n")
+    top_k = body.get("top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
+        raise ApiError(400, "'top_k' must be a whole number.", param="top_k")
     fields = {"temperature": float(number("temperature", 1.0)), "top_p": float(number("top_p", 1.0)),
+              # vLLM's and llama.cpp's extensions, taken the same way
+              "top_k": max(0, top_k or 0), "min_p": float(number("min_p", 0.0)),
+              "repetition_penalty": float(number("repetition_penalty", 1.0)),
               "presence_penalty": float(number("presence_penalty", 0.0)),
               "frequency_penalty": float(number("frequency_penalty", 0.0)), "stop": stop, "seed": seed}
     if max_tokens is not None:
@@ -190,8 +196,9 @@ class Service:
         """A request was answered in ``seconds``: the running mean behind Retry-After."""
         self.recent_seconds = 0.8 * self.recent_seconds + 0.2 * seconds
 
-    async def until_done(self, request: Request, handle, wait):
-        """``wait()``'s value (run on a thread); None, with the handle cancelled, if the client goes away first."""
+    async def until_done(self, request: Request, handle, wait, timed: bool = True):
+        """``wait()``'s value (run on a thread); None, with the handle cancelled, if the client goes away first.
+        ``timed``: the wait was the whole request (it feeds Retry-After's estimate)."""
         self.track(handle)
         started = time.monotonic()
         task = asyncio.ensure_future(asyncio.to_thread(wait))
@@ -199,7 +206,8 @@ class Service:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=0.25)
                 if done:
-                    self.took(time.monotonic() - started)
+                    if timed:
+                        self.took(time.monotonic() - started)
                     return task.result()
                 if await request.is_disconnected():
                     handle.cancel()
@@ -348,10 +356,14 @@ def create_app(service: Service):
     async def answer(request: Request, body: dict, chat, shape: "Shape"):
         service.admit()
         handle = service.engine.submit(chat)
-        if body.get("stream"):
-            service.track(handle)
+        if body.get("stream"):  # refused before it starts (too long, ...): an HTTP error, as vLLM's
+            first = await service.until_done(request, handle, handle.events.get, timed=False)
+            if first is None:
+                return Response(status_code=499)
+            if first.kind == "failed":
+                raise ApiError(400, first.message)
             options = body.get("stream_options") or {}
-            return StreamingResponse(stream(handle, chat.model, shape, bool(options.get("include_usage"))),
+            return StreamingResponse(stream(handle, first, chat.model, shape, bool(options.get("include_usage"))),
                                      media_type="text/event-stream")
         try:
             result = await service.until_done(request, handle, handle.result)
@@ -365,7 +377,7 @@ def create_app(service: Service):
                 "choices": [{"index": 0, **shape.choice(result.text), "finish_reason": reason, "logprobs": None}],
                 "usage": usage(result)}
 
-    async def stream(handle, model: str, shape: "Shape", include_usage: bool):
+    async def stream(handle, first, model: str, shape: "Shape", include_usage: bool):
         """The answer as chunk events; the handle is cancelled if the client goes away."""
         ident, created = shape.new_id(), int(time.time())
 
@@ -379,8 +391,10 @@ def create_app(service: Service):
         try:
             if shape.opening is not None:
                 yield event([{"index": 0, "delta": shape.opening, "finish_reason": None, "logprobs": None}])
+            update = first
             while True:
-                update = await asyncio.to_thread(handle.events.get)
+                if update is None:
+                    update = await asyncio.to_thread(handle.events.get)
                 if update.kind == "delta" and update.text:
                     yield chunk(update.text)
                 elif update.kind == "finished":
@@ -394,6 +408,7 @@ def create_app(service: Service):
                 elif update.kind == "failed":
                     yield "data: " + json.dumps(ApiError(400, update.message).body()) + "\n\n"
                     break
+                update = None
             yield "data: [DONE]\n\n"
         finally:
             if not handle.ended:

@@ -191,7 +191,8 @@ class AudioService:
         out = {"task": options["task"], "language": transcript.language, "duration": round(transcript.duration, 3),
                "text": transcript.text, "segments": segments}
         if options["words"]:
-            out["words"] = [{"word": w.text.strip(), "start": round(w.start, 3), "end": round(w.end, 3)}
+            out["words"] = [{"word": w.text.strip(), "start": round(w.start, 3), "end": round(w.end, 3),
+                             "probability": round(w.probability, 4)}  # (beyond OpenAI's fields, as faster-whisper's)
                             for s in transcript.segments for w in (s.words or [])]
         return out
 

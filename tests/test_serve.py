@@ -25,6 +25,9 @@ PROMPTS = ["What is the capital of France?", "Name a primary colour.", "List the
            "Say hello.", "What is two plus two?", "Name a fruit.", "Write one word.", "What colour is the sky?"]
 
 
+PROCESSES = {}  # a server's URL -> its process
+
+
 def _serve(tmp_path_factory, *flags):
     """`cadence serve` on a free loopback port, once its models are loaded: yields its URL."""
     env = dict(os.environ, CADENCE_DATA_DIR=str(tmp_path_factory.mktemp("serve-data")))
@@ -41,6 +44,7 @@ def _serve(tmp_path_factory, *flags):
         found = re.search(r"at (http://[\d.]+:\d+)/v1", line)
         url = found.group(1) if found else None
     threading.Thread(target=lambda: [lines.append(x) for x in proc.stderr], daemon=True).start()
+    PROCESSES[url] = proc
     deadline = time.monotonic() + 300
     while _status(url + "/health") != 200:
         assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
@@ -53,7 +57,7 @@ def _serve(tmp_path_factory, *flags):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from _serve(tmp_path_factory, "--batch", "8", "--max-audio-mb", str(MAX_AUDIO_MB))
+    yield from _serve(tmp_path_factory, "--batch", "8", "--context", "2048", "--max-audio-mb", str(MAX_AUDIO_MB))
 
 
 def _slots(url: str) -> list[dict]:
@@ -410,3 +414,69 @@ def test_requests_beyond_the_queue_limit_are_turned_away_and_none_is_lost(small_
                for text, after in refused)
     code, _ = _post(small_server, body)
     assert code == 200
+
+
+
+# ---------------------------------------------------------------------------- the command line on a server
+def _cli(server, *args, data_dir) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CADENCE_DATA_DIR=str(data_dir), CADENCE_SERVER=server, CADENCE_API_KEY=KEY)
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=600,
+                          env=env)
+
+
+def test_cli_chat_on_a_server_streams_the_engines_answer_and_stores_it(server, engine_answers, tmp_path):
+    done = _cli(server, "chat", PROMPTS[0], "--max-tokens", "12", data_dir=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == engine_answers[0].text + "\n" and f"on server {server}/v1" in done.stderr
+    stored = json.loads(_cli(server, "chat", "--export", "1", "--json", data_dir=tmp_path).stdout)
+    assert stored["model"] == MODEL and stored["messages"][-1]["content"] == engine_answers[0].text
+    refused = _cli(server, "chat", "Hi", "--batch", "4", data_dir=tmp_path)
+    assert refused.returncode == 2 and "with --server the server runs its own" in refused.stderr
+
+
+def test_cli_transcribe_on_a_server_gives_the_engines_transcripts(server, speech, engine_transcripts, tmp_path):
+    done = _cli(server, "transcribe", str(speech["fox"]), str(speech["long"]), "--json", data_dir=tmp_path)
+    assert done.returncode == 0, done.stderr
+    entries = json.loads(done.stdout)
+    assert [e["text"] for e in entries] == [engine_transcripts["fox"].text, engine_transcripts["long"].text]
+    assert [[s["start"] for s in e["segments"]] for e in entries] == \
+        [[round(s.start, 3) for s in engine_transcripts[n].segments] for n in ("fox", "long")]
+
+
+def test_a_transcript_too_long_for_the_servers_context_is_cut_to_fit(server, tmp_path):
+    """A chat about a transcript over a server: where the server says the prompt passes its context, the
+    transcript is halved until it fits, and the conversation notes the cut, as on this computer."""
+    from engine.chat.answering import Conversations
+    from engine.remote import RemoteEngine
+
+    sentence = "The committee reviewed the budget for the northern depot and agreed to repaint the trucks. "
+    segments = [{"start": 6.0 * i, "end": 6.0 * i + 6, "text": f"Item {i}. {sentence * 4}"} for i in range(40)]
+    transcript = {"file": "meeting.wav", "text": " ".join(s["text"] for s in segments), "duration": 240.0,
+                  "segments": segments}
+    conversations = Conversations(RemoteEngine(server, KEY, retries=0), tmp_path / "chats.sqlite")
+    _, reply = conversations.create_about_transcript(transcript, "Which depot?", model=MODEL,
+                                                     params=SamplingParams(max_tokens=4))
+    assert reply.wait(600).state == "complete"
+    fitted = conversations.get(reply.conversation_id).context["transcript"]
+    assert fitted["fitted"] and fitted["parts_used"] in (20, 10, 5) and "was cut to" in fitted["notice"]
+
+
+def test_a_server_that_dies_mid_answer_leaves_the_partial_answer_stored(small_server, tmp_path):
+    """(The last test of the module: it kills the small server.)"""
+    from engine.chat.answering import Conversations
+    from engine.errors import CadenceError
+    from engine.remote import RemoteEngine
+
+    conversations = Conversations(RemoteEngine(small_server, KEY, retries=0), tmp_path / "chats.sqlite")
+    reply = conversations.start("Write a long story about a lighthouse.", model=MODEL,
+                                params=SamplingParams(max_tokens=2000))
+    received = ""
+    for text in reply:
+        received += text
+        if len(received) > 40 and PROCESSES[small_server].poll() is None:
+            PROCESSES[small_server].kill()  # the server dies mid-answer
+    with pytest.raises(CadenceError, match="connection to it was lost|ended before the answer did"):
+        reply.wait(60)
+    answer = conversations.get(reply.conversation_id).messages[-1]
+    assert answer.state == "failed" and answer.content == received and len(received) > 40
+    assert answer.error.endswith(".")

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from app.cli.common import add_engine_flags, err
+from app.cli.common import add_engine_flags, add_server_flags, err
 from engine.errors import CadenceError
 
 
@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("transcribe", help="transcribe audio or video files (folders are searched recursively)")
     p.add_argument("files", nargs="*", metavar="FILE")
-    p.add_argument("--model", default=DEFAULT_WHISPER, help=f"model name or path (default {DEFAULT_WHISPER})")
+    p.add_argument("--model", default=None, help=f"model name or path (default {DEFAULT_WHISPER}; with --server, "
+                   "the first Whisper model it lists)")
     p.add_argument("--language", default=None, help="language code such as en or de (multilingual models detect it)")
     p.add_argument("--task", choices=("transcribe", "translate"), default="transcribe")
     p.add_argument("--windows", choices=("vad", "fixed"), default="vad",
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "crash or a kill), without decoding its finished windows again")
     add_transcript_flags(p)
     add_engine_flags(p, BACKENDS)
+    add_server_flags(p)
     p.set_defaults(func=cmd_transcribe)
 
     p = sub.add_parser("chat", help="answer one prompt (streamed), or several side by side; every chat is stored")
@@ -93,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the stored conversations")
     p.add_argument("--export", type=int, metavar="ID", default=None, help="print stored conversation ID")
     p.add_argument("--format", choices=("md", "json"), default=None, help="with --export: md (default) or json")
-    p.add_argument("--model", default=None, help=f"model name or path (default {DEFAULT_CHAT})")
+    p.add_argument("--model", default=None, help=f"model name or path (default {DEFAULT_CHAT}; with --server, the "
+                   "first chat model it lists)")
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--max-tokens", type=int, default=None, help="longest answer in tokens (default 256)")
     p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default)")
@@ -109,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help='print {"conversation_id", "user_message_id", "message_id", "text", "tokens", "finish_reason", '
                         '"stats"} (a list of them with --prompts); with --list or --export, JSON')
     add_engine_flags(p, BACKENDS)
+    add_server_flags(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("gui", help="open the desktop app; audio or video files named are queued for transcription")

@@ -8,7 +8,16 @@ import sys
 import time
 from pathlib import Path
 
-from app.cli.common import INTERRUPT_SHUTDOWN_S, Session, check_model, engine_options, err, parse_batch
+from app.cli.common import (
+    INTERRUPT_SHUTDOWN_S,
+    Session,
+    check_model,
+    engine_options,
+    err,
+    parse_batch,
+    remote_model,
+    remote_server,
+)
 from engine.errors import CadenceError
 
 def read_prompts(where: str) -> list[str]:
@@ -117,10 +126,14 @@ def cmd_chat(args) -> int:
         model = args.model or conversation.model
     else:
         params = sampling_params(flags)
-        model = args.model or DEFAULT_CHAT
+        model = args.model
+    server = remote_server(args)
     batch = parse_batch(args.batch)
     engine_opts = engine_options(args)
-    source = check_model(model, CHAT)
+    if server is not None:  # the server knows its own models
+        model = remote_model(server, model, whisper=False)
+    else:
+        model = check_model(model or DEFAULT_CHAT, CHAT).name
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
     single = args.prompt is not None
     if conversation is not None and (flags or args.system is not None or args.model):
@@ -130,10 +143,10 @@ def cmd_chat(args) -> int:
     failed = 0
     streamed = False
     try:
-        with Session(args.backend, batch, engine_opts) as session:
+        with Session(args.backend, batch, engine_opts, server) as session:
             conversations = Conversations(session.engine, store.path)
             try:
-                err(f"Answering {len(prompts)} prompt{'s' if len(prompts) != 1 else ''} with {source.name} "
+                err(f"Answering {len(prompts)} prompt{'s' if len(prompts) != 1 else ''} with {model} "
                      f"on {session.engine.device}...")
                 replies: list = []
                 for prompt in prompts:  # every prompt is submitted before any answer is read
@@ -166,7 +179,7 @@ def cmd_chat(args) -> int:
                             sys.stdout.write("\n")
                             streamed = False
                         continue
-                    entry = _chat_entry(reply, source.name)
+                    entry = _chat_entry(reply, model)
                     entries.append(entry)
                     if not args.json:
                         sys.stdout.write("\n")

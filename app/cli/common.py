@@ -53,14 +53,21 @@ def check_model(name: str, family: str):
 
 
 class Session:
-    """An engine for one command: handles are cancelled on Ctrl-C, and the engine always shuts down."""
+    """An engine for one command (this computer's, or a server's with ``server`` = (url, key)): handles are
+    cancelled on Ctrl-C, and the engine always shuts down."""
 
-    def __init__(self, backend: str, batch: str | int | None, options: dict | None = None):
-        from engine import Engine
+    def __init__(self, backend: str, batch: str | int | None, options: dict | None = None,
+                 server: tuple[str, str | None] | None = None):
+        if server is not None:
+            from engine.remote import RemoteEngine
 
-        quiet_libraries()  # before anything imports transformers
-        # batch None: the engine reads CADENCE_BATCH; drafter None: CADENCE_DRAFTER; precision None: CADENCE_PRECISION
-        self.engine = Engine(backend=backend, batch=batch, **(options or {}))
+            self.engine = RemoteEngine(*server)
+        else:
+            from engine import Engine
+
+            quiet_libraries()  # before anything imports transformers
+            # batch None: the engine reads CADENCE_BATCH; drafter None: CADENCE_DRAFTER; precision None: CADENCE_PRECISION
+            self.engine = Engine(backend=backend, batch=batch, **(options or {}))
         self.handles: list = []
         self.created = time.perf_counter()
         self.first_started: float | None = None
@@ -123,6 +130,46 @@ def drafting_note(drafting: dict) -> str:
         return f"drafting with {drafting['drafter']}: nothing drafted"
     return (f"drafting with {drafting['drafter']}: {drafting['acceptance']:.0%} of {drafting['drafted']} drafts accepted, "
             f"{drafting['mean_acceptance_length']} tokens per check")
+
+
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", default=None, metavar="URL",
+                   help="answer on a server instead of this computer: another Cadence (cadence serve), vLLM or "
+                        "llama.cpp's server, e.g. http://gpu-box:8000 (default: $CADENCE_SERVER)")
+    p.add_argument("--api-key", default=None, help="the server's API key (default: $CADENCE_API_KEY)")
+
+
+def remote_server(args) -> tuple[str, str | None] | None:
+    """(url, api key) when the command runs on a server (--server or CADENCE_SERVER), else None. The flags
+    that set up this computer's engine are refused with it: the server runs its own."""
+    from engine.remote import server_url
+
+    url = args.server or os.environ.get("CADENCE_SERVER") or None
+    if not url:
+        return None
+    local = [flag for flag, value in (("--batch", args.batch), ("--drafter", args.drafter),
+                                      ("--draft-depth", args.draft_depth), ("--precision", args.precision),
+                                      ("--context", args.context)) if value is not None]
+    local += ["--backend"] if args.backend != "auto" else []
+    if local:
+        raise CadenceError(f"{local[0]} sets up the engine on this computer; with --server the server runs its own.")
+    return server_url(url), args.api_key or os.environ.get("CADENCE_API_KEY") or None
+
+
+def remote_model(server: tuple[str, str | None], asked: str | None, whisper: bool) -> str:
+    """The model to ask a server for: the one named, else the first it lists of the kind wanted (a name with
+    'whisper' in it for speech)."""
+    if asked:
+        return asked
+    from engine.remote import RemoteEngine
+
+    names = RemoteEngine(*server, retries=0).models()
+    fitting = [n for n in names if ("whisper" in n.lower()) == whisper]
+    if not fitting:
+        kind = "Whisper" if whisper else "chat"
+        raise CadenceError(f"The server at {server[0]} lists no {kind} model ({', '.join(names) or 'none at all'}); "
+                           "name one with --model.")
+    return fitting[0]
 
 
 def add_engine_flags(p: argparse.ArgumentParser, backends) -> None:

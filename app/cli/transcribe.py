@@ -13,7 +13,16 @@ import json
 import sys
 from pathlib import Path
 
-from app.cli.common import Session, check_model, engine_options, err, expand_inputs, parse_batch
+from app.cli.common import (
+    Session,
+    check_model,
+    engine_options,
+    err,
+    expand_inputs,
+    parse_batch,
+    remote_model,
+    remote_server,
+)
 from engine.errors import CadenceError
 
 
@@ -78,12 +87,13 @@ def _follow(session: Session, handle, name: str, show_progress: bool) -> None:
 def cmd_transcribe(args) -> int:
     from engine.formats import render
     from engine.jobs import JobStore, settle_job, submit_job
-    from engine.models import WHISPER
+    from engine.models import DEFAULT_WHISPER, WHISPER
     from engine.subtitles import SubtitleRules
 
     if args.json and args.format not in (None, "json"):
         raise CadenceError(f"--json prints JSON; it cannot be combined with --format {args.format}.")
     fmt = "json" if args.json else (args.format or "txt")
+    server = remote_server(args)
     batch = parse_batch(args.batch)
     engine_opts = engine_options(args)
     jobs = JobStore()
@@ -95,7 +105,12 @@ def cmd_transcribe(args) -> int:
         err(f"Resuming {len(ids)} unfinished job{'s' if len(ids) != 1 else ''}.")
     if args.files:
         extra = transcript_options(args)
-        source = check_model(args.model, WHISPER)
+        if server is not None:
+            if extra["speakers"] != "off":
+                raise CadenceError("--speakers needs the engine on this computer; a server does not tell speakers apart.")
+            model = remote_model(server, args.model, whisper=True)
+        else:
+            model = check_model(args.model or DEFAULT_WHISPER, WHISPER).name
         files = expand_inputs(args.files)
         if not files:
             raise CadenceError("No audio files were found in what was given.")
@@ -108,13 +123,13 @@ def cmd_transcribe(args) -> int:
         options = {"format": fmt, "out": out if not (args.json and not out) else "-", "overwrite": args.overwrite,
                    "language": args.language, "task": args.task, "windowing": args.windows,
                    "timestamps": args.timestamps, **extra}
-        ids += [jobs.create(path.absolute(), source.name, options) for path in files]
+        ids += [jobs.create(path.absolute(), model, options) for path in files]
     if not ids:
         return 0
 
     show_progress = sys.stderr.isatty()
     entries, failed = [], 0
-    with Session(args.backend, batch, engine_opts) as session:
+    with Session(args.backend, batch, engine_opts, server) as session:
         handles = {}
         for job_id in ids:  # refuse what cannot be written before decoding anything
             job = jobs.get(job_id)
@@ -162,7 +177,7 @@ def cmd_transcribe(args) -> int:
                 err(f"{job.path}: {entry['error']}")
             entries.append(entry)
         elapsed = session.elapsed()
-        note = session.width_note(args.model)
+        note = session.width_note(args.model or DEFAULT_WHISPER)
     if args.json:
         print(json.dumps(entries, ensure_ascii=False, indent=2))
     err(f"{len(ids) - failed} of {len(ids)} file{'s' if len(ids) != 1 else ''} transcribed in {elapsed:.2f} s{note}.")
