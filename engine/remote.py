@@ -38,6 +38,8 @@ CHAT_TIMEOUT_S = 600  # the longest wait for the next piece of an answer
 TRANSCRIBE_TIMEOUT_S = 3 * 3600  # an upload is answered whole: hours of audio on a busy server
 RETRIES = 2  # the client's own: connection errors, 408, 409, 429 and 5xx are tried again
 MAX_REQUESTS = 64  # requests followed at once (each holds a thread while it streams)
+PROBE_TIMEOUT_S = 3.0  # /slots and /metrics: a live panel asks often, so it never waits long
+NOT_SERVED = (404, 405, 501)  # what a server answers for a route it does not have (llama.cpp: 501 with --no-slots)
 
 
 def server_url(url: str) -> str:
@@ -74,6 +76,8 @@ def error_sentence(exc: Exception, url: str) -> str:
 
 class RemoteEngine:
     """Requests answered by a server at ``url`` (``http://host:port`` or its ``/v1``)."""
+
+    remote = True  # model names are the server's (see engine.chat.answering.Conversations)
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = CHAT_TIMEOUT_S,
                  retries: int = RETRIES):
@@ -129,6 +133,62 @@ class RemoteEngine:
         except Exception as exc:
             raise CadenceError(error_sentence(exc, self.url)) from None
 
+    def slots(self) -> list[dict] | None:
+        """The server's ``GET /slots`` (llama.cpp's shape: per slot ``id``, ``is_processing``, ``id_task``,
+        ``n_ctx``, ``next_token.n_decoded``; a Cadence server adds ``model``, ``slot`` and ``drafting``), or
+        None where the server has no such route (vLLM)."""
+        answer = self._probe("/slots")
+        if answer is None:
+            return None
+        try:
+            data = answer.json()
+        except ValueError:
+            return None
+        return [s for s in data if isinstance(s, dict)] if isinstance(data, list) else None
+
+    def metrics(self) -> dict[str, list[tuple[dict, float]]] | None:
+        """The server's ``GET /metrics`` (Prometheus text: a Cadence server's names under ``cadence:``, vLLM's
+        under ``vllm:``, llama.cpp's under ``llamacpp:``) parsed with prometheus_client's parser: each sample's
+        name (counters end in ``_total``, histograms in ``_sum`` / ``_count`` / ``_bucket``) -> its (labels,
+        value) pairs; None where the server has no such route or sends something else."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        answer = self._probe("/metrics")
+        if answer is None:
+            return None
+        out: dict[str, list[tuple[dict, float]]] = {}
+        try:
+            for family in text_string_to_metric_families(answer.text):
+                for sample in family.samples:
+                    out.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
+        except (ValueError, TypeError, IndexError):  # not Prometheus text (an HTML page at that address)
+            return None
+        return out
+
+    def _probe(self, route: str):
+        """GET a route beside ``/v1`` with the key as a Bearer header and a short timeout: the response, or None
+        where the server does not have it; CadenceError (one sentence) when the server cannot be asked."""
+        try:
+            import httpx2 as httpx  # what the openai client is built on here
+        except ImportError:
+            import httpx
+
+        url = self.url[: -len("/v1")] + route
+        headers = {"Authorization": f"Bearer {self.client.api_key}"}  # ('none' without a key, as the client sends)
+        try:
+            answer = httpx.get(url, headers=headers, timeout=PROBE_TIMEOUT_S)
+        except httpx.TimeoutException:
+            raise CadenceError(f"The server at {self.url} did not answer in time.") from None
+        except httpx.HTTPError:
+            raise CadenceError(f"The server at {self.url} could not be reached.") from None
+        if answer.status_code in NOT_SERVED:
+            return None
+        if answer.status_code in (401, 403):
+            raise CadenceError(f"The server at {self.url} refused the API key (missing or wrong).")
+        if answer.status_code >= 400:
+            raise CadenceError(f"The server at {self.url} answered {route} with HTTP {answer.status_code}.")
+        return answer
+
     def status(self) -> dict:
         """What the engine panel and the command line read; a server's slots are not known here."""
         return {"backend": self.device, "backend_name": f"a server at {self.url}", "batch": None,
@@ -175,7 +235,8 @@ class RemoteEngine:
         elif reason is None:
             raise CadenceError(f"The connection to the server at {self.url} ended before the answer did.")
         ended = time.perf_counter()
-        tokens = usage.completion_tokens if usage is not None else None
+        # a server that sends no usage (llama.cpp's) sends a token per piece: counted from them
+        tokens = usage.completion_tokens if usage is not None else len(text)
         stats = {"prompt_tokens": usage.prompt_tokens if usage is not None else None, "tokens": tokens,
                  "time_to_first_token": round(first - started, 4) if first else None,
                  "end_to_end": round(ended - started, 4), "seconds": round(ended - started, 4),

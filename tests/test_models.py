@@ -94,6 +94,19 @@ def test_converted_weights_are_cached_as_safetensors(tiny):
     assert again.report.from_cache
 
 
+def test_a_converted_gguf_keeps_tied_weights_under_the_embeddings_name(smollm):
+    """Tied output weights are stored once, as model.embed_tokens.weight (as transformers saves them), so
+    any reader of the folder ties the output back to them; stored as lm_head.weight alone, vLLM left the
+    embeddings empty and answered nothing but <|endoftext|>."""
+    from safetensors import safe_open
+
+    assert smollm.model.config.tie_word_embeddings
+    with safe_open(str(converted_dir(smollm.source) / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+        assert f.get_tensor("model.embed_tokens.weight").equal(smollm.model.lm_head.weight.detach())
+
+
 def test_wrong_family_is_refused():
     with pytest.raises(ModelError, match="not a chat model"):
         load("whisper-tiny.en", family=CHAT)

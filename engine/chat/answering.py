@@ -201,6 +201,14 @@ class Conversations(ConversationStore):
                     self._replies.pop(reply.message_id, None)
                     self._busy.discard(reply.conversation_id)
 
+    def _check_model(self, model: str) -> None:
+        """Answered by a server (engine.remote), a model is whatever name it serves: the server says if not."""
+        if getattr(self.engine, "remote", False):
+            if not isinstance(model, str) or not model.strip():
+                raise RequestError("Name the model the server should answer with.")
+            return
+        super()._check_model(model)
+
     def _need_engine(self) -> None:
         if self.engine is None:
             raise CadenceError("These conversations are open without an engine, so nothing can be answered.")

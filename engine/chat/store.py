@@ -180,6 +180,10 @@ class ConversationStore:
     def _stop_answers(self, which) -> None:
         """Stop the answers in flight that ``which`` selects (a store without an engine has none)."""
 
+    def _check_model(self, model: str) -> None:
+        """A model this computer has, and a chat model (a store answered by a server checks less: see Conversations)."""
+        check_chat_model(model)
+
     # ------------------------------------------------------------------ start-up
     def recover(self) -> int:
         """Mark answers left ``streaming`` by processes that are gone as ``interrupted``; how many."""
@@ -198,7 +202,7 @@ class ConversationStore:
         """A new, empty conversation; its id. Settings are checked before anything is stored."""
         params = sampling_params(params)
         system = self._check_system(system)
-        check_chat_model(model)
+        self._check_model(model)
         now = time.time()
         cur = self._db.execute(
             "INSERT INTO conversations (title, model, system, params, context, created, updated) "
@@ -222,7 +226,7 @@ class ConversationStore:
             values["params"] = json.dumps(dataclasses.asdict(params))
             refit = params.max_tokens != conv.params.max_tokens  # the room for the prompt changes
         if model is not None and model != conv.model:
-            check_chat_model(model)
+            self._check_model(model)
             values["model"] = model
             refit = True
         transcript = (conv.context or {}).get("transcript")

