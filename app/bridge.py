@@ -1,15 +1,12 @@
-"""The thin layer between the window and the engine: engine events in, Qt signals out.
-
-The engine decodes on its own thread. One *pump* thread here follows every handle the app has
-in flight (transcription jobs and chat answers): several times a second it takes whatever events
-are waiting, merges pending text deltas into one, records how jobs end (and writes their output
-files), and emits Qt signals, which Qt delivers on the window's thread. It also samples
-``Engine.status()`` for the live panel. So the window never waits on the engine, and a burst of
-hundreds of tokens a second reaches the UI as a few updates.
-
-Everything the app asks of the engine goes through :class:`EngineBridge`: add and control jobs,
-start and stop answers, rebuild the engine when its settings change.
-"""
+"""The thin layer between the window and the engine (this computer's, or a server's as Settings say:
+engine.remote.RemoteEngine): engine events in, Qt signals out. The engine decodes on its own thread. One
+*pump* thread here follows every handle the app has in flight (transcription jobs and chat answers):
+several times a second it takes the events waiting, merges pending text deltas into one, records how jobs
+end (and writes their output files), and emits Qt signals, which Qt delivers on the window's thread. It
+also samples ``Engine.status()`` for the live panel (a server's slots and metrics: app.remote_status).
+So the window never waits on the engine, and hundreds of tokens a second reach the UI as a few updates.
+Everything the app asks of the engine goes through :class:`EngineBridge`: add and control jobs, start
+and stop answers, rebuild the engine when its settings change."""
 
 from __future__ import annotations
 
@@ -28,6 +25,7 @@ from engine.audio import audio_files
 from engine.chat.answering import Conversations, Reply
 from engine.errors import CadenceError, record_fault
 from engine.jobs import JobStore, settle_job, submit_job
+from engine.remote import RemoteEngine
 
 from app.settings import EngineChoice, Settings
 from app.transcripts import write_outputs
@@ -53,8 +51,10 @@ def unexpected(exc: BaseException, doing: str) -> str:
 
 
 def make_engine(choice: EngineChoice) -> Engine:
-    """An engine built from the settings; keyword arguments the running engine does not know
-    (drafting arrives in a later engine) are left out rather than refused."""
+    """An engine built from the settings (a server's where ``choice.server`` names one); keyword arguments the
+    running engine does not know are left out rather than refused."""
+    if choice.server:
+        return RemoteEngine(choice.server, choice.api_key or None)
     accepted = inspect.signature(Engine).parameters
     kwargs: dict = {"backend": choice.backend, "batch": choice.batch}
     if "drafter" in accepted:
@@ -102,7 +102,8 @@ class LiveReply:
 
     @property
     def tok_s(self) -> float:
-        if self.first_delta is None or self.last_delta is None or self.last_delta <= self.first_delta:
+        if self.first_delta is None or self.last_delta is None or self.last_delta <= self.first_delta or \
+                self.tokens < 2:  # (a server's deltas carry no token ids: no live speed, its own at the end)
             return 0.0
         return (self.tokens - 1) / (self.last_delta - self.first_delta)
 
@@ -153,10 +154,10 @@ class EngineBridge(QObject):
         try:
             engine = make_engine(choice)
             self.engine_note = ""
-        except CadenceError as exc:  # e.g. the chosen backend or precision is not on this machine
-            self.engine_note = f"{exc} Cadence uses the automatic choice instead."
+        except CadenceError as exc:  # e.g. the chosen backend or precision is not on this machine, a bad address
+            self.engine_note = f"{exc} Cadence uses the automatic choice on this computer instead."
             self.problem.emit(self.engine_note)
-            choice.backend, choice.precision = "auto", "auto"
+            choice.backend, choice.precision, choice.server = "auto", "auto", ""
             engine = make_engine(choice)
         return engine
 
@@ -173,6 +174,10 @@ class EngineBridge(QObject):
             self._thread.join(5)
         if self.engine is not None:
             self.engine.shutdown(timeout=10)
+
+    @property
+    def remote(self) -> bool:  # the engine is a server's: no recording, no speakers, no lanes here
+        return isinstance(self.engine, RemoteEngine)
 
     @property
     def busy(self) -> bool:
@@ -236,6 +241,7 @@ class EngineBridge(QObject):
         options = {"formats": self.settings.output_formats, "out": self.settings.output_folder or None,
                    "language": self.settings.language or None, "task": "transcribe",
                    "windowing": self.settings.windowing, "timestamps": True, **self.settings.transcript_options()}
+        options["speakers"] = "off" if self.remote else options["speakers"]  # (a server tells none apart)
         if known_windows is not None and len(files) == 1:
             self._known[str(files[0].absolute())] = known_windows
         model = self.settings.transcription_model
@@ -476,7 +482,7 @@ class EngineBridge(QObject):
 
     def _sample_status(self) -> None:
         engine = self.engine
-        if engine is None:
+        if engine is None or self.remote:  # a server's slots and metrics come from app.remote_status's poller
             return
         try:
             status = engine.status()

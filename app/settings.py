@@ -1,4 +1,6 @@
-"""What a person chooses once and keeps: backend, batching, drafter, default models, outputs.
+"""What a person chooses once and keeps: this computer's engine or a server's, backend, batching, drafter,
+default models, outputs. A server's API key is kept by :mod:`app.keys` (the system keyring, else this
+session only), never in the settings file.
 
 :class:`Settings` is the typed store (QSettings underneath: the platform's usual place, or an INI
 file given by path, which the tests use). The panel that edits it lives in
@@ -7,7 +9,7 @@ file given by path, which the tests use). The panel that edits it lives in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from PySide6.QtCore import QSettings
@@ -24,6 +26,7 @@ BACKENDS = ("auto", "cpu", "cuda", "mps")
 DRAFTERS = ("auto", "mtp", "ngram", "draft", "off")  # "draft" is sent as "draft:MODEL"
 PRECISION_CHOICES = ("auto", *PRECISIONS)
 DEFAULT_FORMATS = ("txt",)
+ENGINE_MODES = ("local", "server")  # this computer's engine, or a server's (engine.remote.RemoteEngine)
 
 
 @dataclass
@@ -36,6 +39,8 @@ class EngineChoice:
     draft_depth: int  # 0: the engine chooses
     precision: str = "auto"  # auto | float32 | bfloat16 | int8
     context: str | int = "auto"  # tokens per chat slot: auto (the model's, as memory allows) or a number
+    server: str = ""  # a server's address: the engine is that server's (the fields above are then its own)
+    api_key: str = field(default="", repr=False)  # the server's key (from the keyring or this session)
 
 
 class Settings:
@@ -136,7 +141,44 @@ class Settings:
     def context(self, value: int) -> None:
         self._set("engine/context", int(value))
 
+    @property
+    def engine_mode(self) -> str:
+        """'local': the engine on this computer; 'server': a server at ``server_url``."""
+        value = str(self._get("engine/mode", "local"))
+        return value if value in ENGINE_MODES else "local"
+
+    @engine_mode.setter
+    def engine_mode(self, value: str) -> None:
+        self._set("engine/mode", value)
+
+    @property
+    def server_url(self) -> str:
+        return str(self._get("engine/server_url", ""))
+
+    @server_url.setter
+    def server_url(self, value: str) -> None:
+        self._set("engine/server_url", value)
+
+    @property
+    def api_key(self) -> str:
+        """The key for ``server_url``: from the system keyring, or kept for this session (app.keys)."""
+        from app.keys import get_key
+
+        return get_key(self.server_url)
+
+    @api_key.setter
+    def api_key(self, value: str) -> None:
+        from app.keys import set_key
+
+        set_key(self.server_url, value)
+
+    @property
+    def remote(self) -> bool:
+        return self.engine_mode == "server" and bool(self.server_url)
+
     def engine_choice(self) -> EngineChoice:
+        if self.remote:
+            return EngineChoice("auto", "auto", "auto", 0, server=self.server_url, api_key=self.api_key)
         batch: str | int = "off" if not self.batching else (self.max_width or "auto")
         drafter = self.drafter
         if drafter == "draft":
