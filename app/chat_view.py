@@ -273,7 +273,7 @@ class ChatView(QWidget):
         for number, code in enumerate(rendered.code_blocks):
             self.copyable[copy_link("code", m.id, number)] = code
         foot = []
-        speed = tok_s if live else m.stats.get("decode_tok_s")
+        speed = tok_s if live else (m.stats.get("decode_tok_s") or m.stats.get("tok_s"))  # (a server's: tok_s)
         if live:
             foot.append("writing…")
         elif m.state in STATE_NOTES:

@@ -32,6 +32,9 @@ from app.recorder import Recorder, input_devices
 from app.transcripts import clock
 
 
+REMOTE_NOTE = "Recording needs the engine on this computer: choose \"This computer\" under Settings, Engine."
+
+
 class RecordView(QWidget):
     recorded = Signal(str)  # the saved file, already queued
 
@@ -87,6 +90,7 @@ class RecordView(QWidget):
         self.timer.timeout.connect(self._tick)
         self.timer.start(50)
         self.find_devices()
+        bridge.engine_rebuilt.connect(lambda _sentence: self._update_buttons())  # this computer's or a server's
 
     def find_devices(self) -> None:
         devices, problem = input_devices()
@@ -107,7 +111,11 @@ class RecordView(QWidget):
 
     def _update_buttons(self) -> None:
         state = self.recorder.state
-        self.record_button.setEnabled(state == "idle" and self.has_input)
+        self.record_button.setEnabled(state == "idle" and self.has_input and not self.bridge.remote)
+        if self.bridge.remote and state == "idle" and self.has_input:  # (the live captions are this computer's)
+            self.message.setText(REMOTE_NOTE)
+        elif self.message.text() == REMOTE_NOTE:
+            self.message.clear()
         self.pause_button.setEnabled(state != "idle")
         self.pause_button.setText("Resume" if state == "paused" else "Pause")
         self.stop_button.setEnabled(state != "idle")
@@ -115,6 +123,9 @@ class RecordView(QWidget):
 
     def record(self, **recorder_options) -> None:
         """Start recording (``recorder_options`` go to Recorder.start: tests feed blocks themselves)."""
+        if self.bridge.remote:
+            self.message.setText(REMOTE_NOTE)
+            return
         try:
             self.recorder.start(device=self.device.currentData(), **recorder_options)
         except CadenceError as exc:

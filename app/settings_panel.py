@@ -1,4 +1,5 @@
-"""The settings panel: backend, batching, drafter, default models, outputs, where files live.
+"""The settings panel: the engine (this computer's or a server's: app.remote_settings), backend, batching,
+drafter, default models, outputs, where files live.
 
 Pressing Apply stores everything (QSettings, via :class:`app.settings.Settings`). Models, language
 and outputs apply to what is added from then on; backend, batching and drafter need a new engine,
@@ -38,6 +39,8 @@ from engine.models import CHAT, WHISPER, list_models
 from engine.paths import cache_dir, data_dir
 
 from app.bridge import EngineBridge
+from app.keys import where_kept
+from app.remote_settings import ServerBox, whisper_names
 from app.settings import PRECISION_CHOICES, BACKENDS, DRAFTERS
 
 SPEAKER_CHOICES = (("Off", "off"), ("Tell apart, count them", "auto"),
@@ -60,6 +63,7 @@ class SettingsPanel(QWidget):
         present = available_backends()
 
         # engine ---------------------------------------------------------------
+        self.server = ServerBox(s)
         self.backend = QComboBox()
         for name in BACKENDS:
             self.backend.addItem(name.upper() if name != "auto" else "Automatic", name)
@@ -122,6 +126,7 @@ class SettingsPanel(QWidget):
         ef.addRow("Chat context (tokens per slot)", self.context)
         ef.addRow("", self.context_note)
         self._drafter_changed()
+        self.engine_box = engine_box
 
         # models and outputs ---------------------------------------------------
         models = list_models()
@@ -155,6 +160,9 @@ class SettingsPanel(QWidget):
             box.setChecked(fmt in s.output_formats)
             formats_row.addWidget(box)
         formats_row.addStretch(1)
+        self.local_models = ([m["name"] for m in models if m["family"] == WHISPER],
+                             [m["name"] for m in models if m["family"] == CHAT])
+        self.server_models: list[str] = []  # what the server listed at the last connection test
         models_box = QGroupBox("Models and outputs")
         mf = QFormLayout(models_box)
         mf.addRow("Transcription model", self.transcription_model)
@@ -204,7 +212,10 @@ class SettingsPanel(QWidget):
         row.addWidget(self.note, 1)
         layout = QVBoxLayout(self)
         columns = QHBoxLayout()
-        columns.addWidget(engine_box, 1)
+        left = QVBoxLayout()
+        left.addWidget(self.server)
+        left.addWidget(engine_box)
+        columns.addLayout(left, 1)
         right = QVBoxLayout()
         right.addWidget(models_box)
         right.addWidget(transcripts_box)
@@ -215,6 +226,35 @@ class SettingsPanel(QWidget):
         layout.addStretch(1)
         bridge.status_changed.connect(self._show_width)
         bridge.engine_rebuilt.connect(self.note.setText)
+        self.server.tested.connect(self._server_models)
+        self.server.mode.currentIndexChanged.connect(self._mode_changed)
+        self._mode_changed()
+        if self.server.server_mode and s.server_url:
+            self.server.test()  # the server's model names fill the model choices
+
+    def _mode_changed(self, *_) -> None:
+        """In server mode the server runs its own engine: this computer's engine settings are greyed out (the
+        box's note says why), and the model choices list the server's models once it has been asked."""
+        remote = self.server.server_mode
+        self.engine_box.setEnabled(not remote)
+        self.engine_box.setToolTip(self.server.note.text() if remote else "")
+        for widget in (self.speakers, self.windowing):
+            widget.setEnabled(not remote)
+        whisper, chat = (whisper_names(self.server_models), [n for n in self.server_models if n not in
+                                                             whisper_names(self.server_models)]) \
+            if remote and self.server_models else self.local_models
+        for box, names in ((self.transcription_model, whisper), (self.chat_model, chat)):
+            current = box.currentText()
+            box.clear()
+            box.addItems(names)
+            # a server's names: keep the choice if it serves it, else its first; this computer's: keep the choice
+            box.setCurrentText(current if not (remote and self.server_models) or current in names or not names
+                               else names[0])
+
+    def _server_models(self, ok: bool, sentence: str, names: list) -> None:
+        if ok:
+            self.server_models = list(names)
+            self._mode_changed()
 
     def _drafter_changed(self, *_):
         self.draft_model.setEnabled(self.drafter.currentData() == "draft")
@@ -249,6 +289,18 @@ class SettingsPanel(QWidget):
     def apply(self) -> str:
         s = self.bridge.settings
         before = s.engine_choice()
+        if self.server.server_mode:
+            try:
+                url = self.server.checked_url()
+            except CadenceError as exc:  # a bad address changes nothing; the rest is stored
+                url = None
+                self.server.result.setText(str(exc))
+            if url is not None:
+                s.engine_mode, s.server_url = "server", self.server.url.text().strip()
+                s.api_key = self.server.key.text().strip()  # the keyring, or this session: never the settings file
+                self.server.key_note.setText(where_kept())
+        else:
+            s.engine_mode = "local"
         s.backend = self.backend.currentData()
         s.batching = self.batching.isChecked()
         s.max_width = self.max_width.value()
@@ -271,8 +323,12 @@ class SettingsPanel(QWidget):
                                              min_duration=self.min_cue.value(), max_duration=self.max_cue.value())
         except CadenceError as exc:
             notes.append(f"The subtitle rules were not changed: {exc}")
+        if self.server.server_mode and s.engine_mode != "server":
+            notes.append(f"The engine was not changed: {self.server.result.text()}")
         if s.engine_choice() != before:
             notes.append(self.bridge.apply_engine_settings())
+            if s.remote:
+                self.server.test()  # says at once whether the server answers, and fills the model choices
         text = " ".join(notes)
         self.note.setText(text)
         return text
