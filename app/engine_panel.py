@@ -5,7 +5,8 @@ use and where it came from, the calibration curve with the chosen width, busy sl
 tokens per second over time, and per slot its tokens per second, its draft acceptance and which
 request sits in it. Drafting keys (``drafting`` per lane; ``drafted``/``accepted``/``depth`` per slot)
 are read when the engine provides them. Drawing reuses the same plot items (``setData``), so it
-stays cheap with every slot busy.
+stays cheap with every slot busy. A server's engine (snapshots from app.remote_status: its /slots and
+/metrics) is drawn the same way, with a line saying what that server does not report.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class EnginePanel(QWidget):
         self.lane_info.setWordWrap(True)
         self.precision_info = QLabel()  # which precision the lane runs in, and why
         self.precision_info.setWordWrap(True)
+        self.server_info = QLabel()  # a server's engine: what it does not report, or why it cannot be asked
+        self.server_info.setWordWrap(True)
+        self.server_info.hide()
 
         self.slot_plot = pg.PlotWidget(title="Tokens per second, per slot")
         self.slot_bars = pg.BarGraphItem(x=[], height=[], width=0.7, brush="#3b7dd8")
@@ -144,6 +148,7 @@ class EnginePanel(QWidget):
         grid.addWidget(self.slots_table, 2, 0, 1, 3)
         layout = QVBoxLayout(self)
         layout.addWidget(self.summary)
+        layout.addWidget(self.server_info)
         layout.addLayout(top)
         layout.addWidget(self.precision_info)
         layout.addLayout(grid, 1)
@@ -172,10 +177,19 @@ class EnginePanel(QWidget):
         now = float(status.get("sampled_at") or time.monotonic())
         lanes = status.get("lanes") or {}
         batch = status.get("batch")
-        self.summary.setText(f"Backend: {status.get('backend_name', status.get('backend', '?'))} · batching: "
-                             f"{'off' if batch == 'off' else batch} (from {status.get('batch_from', '?')}) · "
-                             + (f"drafter: {status['drafter']} · " if status.get("drafter") else "") +
-                             f"{len(lanes)} model{'s' if len(lanes) != 1 else ''} loaded")
+        remote = status.get("remote")
+        if remote:  # a server's: what it reports, and in one sentence what it does not (or why it cannot be asked)
+            self.summary.setText(remote["summary"] + f" · {len(lanes)} model{'s' if len(lanes) != 1 else ''} reported")
+            self.server_info.setText(remote.get("error") or remote["missing"])
+            style = "color: #b00020" if remote.get("error") else "color: #666666"
+            if self.server_info.styleSheet() != style:
+                self.server_info.setStyleSheet(style)
+        else:
+            self.summary.setText(f"Backend: {status.get('backend_name', status.get('backend', '?'))} · batching: "
+                                 f"{'off' if batch == 'off' else batch} (from {status.get('batch_from', '?')}) · "
+                                 + (f"drafter: {status['drafter']} · " if status.get("drafter") else "") +
+                                 f"{len(lanes)} model{'s' if len(lanes) != 1 else ''} loaded")
+        self.server_info.setVisible(bool(remote))
         names = list(lanes)
         if [self.lane_box.itemText(i) for i in range(self.lane_box.count())] != names:
             self.lane_box.blockSignals(True)
@@ -215,7 +229,7 @@ class EnginePanel(QWidget):
     def _draw_lane(self, name: str, lane: dict, labels: dict, now: float) -> None:
         slots = lane.get("slots") or []
         width = int(lane.get("width") or len(slots))
-        busy = sum(1 for s in slots if s)
+        busy = sum(1 for s in slots if s) if slots or not lane.get("remote") else int(lane.get("running") or 0)
         counters = lane.get("counters") or {}
         calibration = lane.get("calibration") or {}
         drafting = lane.get("drafting") or {}
@@ -223,19 +237,22 @@ class EnginePanel(QWidget):
         info = [f"width {width} in use ({lane.get('width_from', '?')})"]
         if chosen:
             info.append(f"calibrated choice {chosen}")
-        info += [f"{busy}/{width} slots busy", f"{lane.get('waiting', 0)} waiting",
-                 f"step {counters.get('last_step_ms', 0):.1f} ms (mean {counters.get('mean_step_ms', 0):.1f})"]
+        info += [f"{busy}/{width} slots busy" if width else f"{busy} requests running",
+                 f"{lane.get('waiting', 0):.0f} waiting",
+                 f"step {counters.get('last_step_ms', 0):.1f} ms (mean {counters.get('mean_step_ms', 0):.1f})"
+                 if not lane.get("remote") else "step time not reported by the server"]
         if drafting:
             rate = drafting.get("acceptance")
             info.append(f"drafter {drafting.get('drafter', '?')}: {drafting.get('state', '?')}"
                         + (f", acceptance {float(rate):.0%}" if rate is not None else ""))
         else:
-            info.append("drafting: not reported by this engine")
+            info.append("drafting: not reported by this " + ("server" if lane.get("remote") else "engine"))
         if lane.get("precision"):
             info.append(f"precision {lane['precision']} ({lane.get('precision_from', '?')})")
         self.lane_info.setText(" · ".join(info))
         why = lane.get("precision_why")
-        self.precision_info.setText(f"Precision: {why}" if why else "Precision: not reported by this engine")
+        self.precision_info.setText(f"Precision: {why}" if why else "Precision: not reported by this "
+                                    + ("server" if lane.get("remote") else "engine"))
 
         xs = np.arange(len(slots))
         heights = [round(self.slot_tok_s.get((name, i), 0.0), 1) for i in xs]
@@ -255,10 +272,12 @@ class EnginePanel(QWidget):
         if float(lane_rate or 0.0) != self.accept_lane_line.value():
             self.accept_lane_line.setPos(float(lane_rate or 0.0))
 
-        tokens_total = int(counters.get("tokens") or 0)
+        tokens_total = int(counters.get("tokens") or counters.get("generated") or 0)
         before = self._last_tokens.get(name)
         lane_tok_s = (tokens_total - before[0]) / (now - before[1]) if before and now > before[1] else 0.0
         self._last_tokens[name] = (tokens_total, now)
+        if lane.get("remote") and slots:  # a server counts tokens as answers finish: its slots say it live
+            lane_tok_s = sum(heights)
         self._history_t.append(now - self._t0)
         self._history_tok_s.append(max(0.0, lane_tok_s))
         self._history_busy.append(busy)
@@ -269,7 +288,8 @@ class EnginePanel(QWidget):
         self.busy_plot.setXRange(t[0], max(t[-1], t[0] + 1), padding=0)
         self.step_curve.setData(t, np.fromiter(self._history_step_ms, float))
 
-        self._draw_calibration(name, lane.get("calibration"), width, lane.get("width_from", ""))
+        self._draw_calibration(name, lane.get("calibration"), width,
+                               "remote" if lane.get("remote") else lane.get("width_from", ""))
         self._fill_table(name, slots, labels)
 
     def _draw_calibration(self, name: str, calibration: dict | None, width: int, width_from: str) -> None:
@@ -296,7 +316,9 @@ class EnginePanel(QWidget):
             self.calibration_plot.setXRange(min(*widths, width), max(*widths, width))
             return
         self.calibration_in_use.setVisible(False)
-        if calibration is None:
+        if width_from == "remote":
+            self.calibration_note.setText("Not reported by the server")
+        elif calibration is None:
             why = "batching is off" if width_from == "batch off" else f"the width ({width}) was set in the settings"
             self.calibration_note.setText(f"Not measured: {why}")
         else:
@@ -334,7 +356,8 @@ class EnginePanel(QWidget):
         for i, slot in enumerate(slots):
             if slot:
                 request = slot.get("request")
-                label = labels.get(request) or labels.get(str(request)) or f"request {request}"
+                label = labels.get(request) or labels.get(str(request)) or \
+                    (request if isinstance(request, str) else f"request {request}")
                 if slot.get("window") is not None and "chat:" not in label:
                     label += f" (window {int(slot['window']) + 1})"
                 state = "preparing" if slot.get("preparing") else "decoding"

@@ -30,6 +30,7 @@ from app.engine_panel import EnginePanel
 from app.queue_view import QueueView
 from app.record_view import RecordView
 from app.recorder import recover_recordings
+from app.remote_status import RemotePoller
 from app.resources import icon_path
 from app.settings import Settings
 from app.settings_panel import SettingsPanel
@@ -73,6 +74,8 @@ class MainWindow(QMainWindow):
         self.engine_panel = EnginePanel()
         self.settings_panel = SettingsPanel(self.bridge)
         self.bridge.status_changed.connect(self.engine_panel.update_status)
+        self.remote_poller = RemotePoller(self.bridge)  # a server's slots and metrics, while the engine is one
+        self.remote_poller.start()
         self.queue.open_transcript.connect(self.open_transcript)
         self.transcript.chat_about.connect(self.chat_about)
         self.chats.notice.connect(lambda sentence: self.statusBar().showMessage(sentence, 5000))
@@ -133,7 +136,7 @@ class MainWindow(QMainWindow):
     def _first_run(self) -> None:
         """Say plainly when a default model is missing and what to do; otherwise greet once."""
         problems = [p for p in (model_problem(self.settings.transcription_model),
-                                model_problem(self.settings.chat_model)) if p]
+                                model_problem(self.settings.chat_model)) if p and not self.bridge.remote]
         if problems:
             self.banner.setText(" ".join(problems) + " Choose another model on the Settings tab.")
             self.banner.show()
@@ -166,5 +169,6 @@ class MainWindow(QMainWindow):
             self.show_problem(str(exc))
         self.transcript.player.stop()
         self.queue.probe.stop()
+        self.remote_poller.stop()
         self.bridge.close()
         super().closeEvent(event)
