@@ -99,7 +99,9 @@ def llama_cpp_server(gguf: Path, threads: int, context: int = 4096, alias: str =
     port = free_port()
     return Server("llama.cpp server", [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf),
                                        "--model_alias", alias, "--host", "127.0.0.1", "--port", str(port),
-                                       "--n_ctx", str(context), "--n_threads", str(threads), "--verbose", "False"],
+                                       "--n_ctx", str(context), "--n_threads", str(threads), "--verbose", "False",
+                                       # (by default a new request interrupts the one being answered)
+                                       "--interrupt_requests", "False"],
                   port, health="/v1/models")
 
 
