@@ -27,25 +27,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from app.server_common import ApiError, refuse_if_longer
 from engine.errors import CadenceError, RequestError
 
 MAX_BODY_BYTES = 4 << 20  # a chat request far larger than any context a model here takes
 DEFAULT_MAX_WAITING = 256  # requests waiting for a slot before new ones are turned away (429)
 DEFAULT_MAX_AUDIO_MB = 512  # an upload to transcribe: an hour of 44.1 kHz stereo WAV is about 635 MB
 ROLES = ("system", "developer", "user", "assistant")
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, retry_after: int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-        self.retry_after = retry_after
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 def check_model(model, models: list[str]) -> str:
@@ -421,20 +409,6 @@ def create_app(service: Service):
     return app
 
 
-async def refuse_if_longer(request: Request, limit: int, sentence: str) -> None:
-    """413 for a body whose Content-Length passes ``limit``, before any of it is kept. Its bytes are read and
-    dropped first (up to 64 MB more), so the client, still sending, gets the answer rather than a reset
-    connection."""
-    length = request.headers.get("content-length", "")
-    if not length.isdigit() or int(length) <= limit:
-        return
-    if int(length) <= limit + DRAIN_BYTES:
-        async for _ in request.stream():
-            pass
-    raise ApiError(413, sentence)
-
-
-DRAIN_BYTES = 64 << 20
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 

@@ -19,18 +19,13 @@ from pathlib import Path
 
 from fastapi import Request
 
+from app.server_common import ApiError, refuse_if_longer
 from engine.errors import CadenceError
 
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 GRANULARITIES = ("segment", "word")
 WHISPER_ALIAS = "whisper-1"  # what OpenAI's examples ask for: the first Whisper model served here
 FRAMES_PER_SECOND = 100  # a job's window spans are kept in mel frames
-
-
-def _api_error():
-    from app.server import ApiError
-
-    return ApiError
 
 
 class AudioService:
@@ -57,7 +52,6 @@ class AudioService:
                 shutil.rmtree(Path(job.path).parent, ignore_errors=True)
 
     def model_for(self, name) -> str:
-        ApiError = _api_error()
         if not isinstance(name, str) or not name:
             raise ApiError(400, "Name a model: 'model' must be a Whisper model GET /v1/models lists "
                                 f"(or {WHISPER_ALIAS}).", param="model")
@@ -70,12 +64,9 @@ class AudioService:
 
     async def form(self, request) -> dict:
         """The multipart fields, the file as its UploadFile; ApiError for what cannot be read."""
-        ApiError = _api_error()
         length = request.headers.get("content-length")
         if length is None or not length.isdigit():
             raise ApiError(411, "Send the upload with a Content-Length header (chunked uploads are not taken).")
-        from app.server import refuse_if_longer
-
         # (the form's other fields take far less than 1 MB)
         await refuse_if_longer(request, self.max_bytes + (1 << 20), "The upload is larger than this server takes "
                                f"({self.max_bytes >> 20} MB; --max-audio-mb sets it).")
@@ -97,7 +88,6 @@ class AudioService:
 
     def options(self, fields: dict, task: str) -> dict:
         """The job options a request's fields ask for (checked: ApiError for a bad one)."""
-        ApiError = _api_error()
         fmt = fields.get("response_format") or "json"
         if fmt not in RESPONSE_FORMATS:
             raise ApiError(400, f"'response_format' must be one of {', '.join(RESPONSE_FORMATS)}.",
@@ -134,7 +124,6 @@ class AudioService:
         (so a sentence about the file names it as its owner knows it; the extension helps tell its format)."""
         import asyncio
 
-        ApiError = _api_error()
         if not hasattr(upload, "filename") or not hasattr(upload, "file"):
             raise ApiError(400, "Attach the audio as the form's 'file' part.", param="file")
         size = upload.size if upload.size is not None else 0
@@ -199,8 +188,6 @@ class AudioService:
 
 def add_audio_routes(app, service) -> None:
     """POST /v1/audio/transcriptions and /v1/audio/translations on the server's app."""
-    from app.server import ApiError
-
     async def transcribe(request: Request, task: str):
         from engine.jobs import settle_job, submit_job
 
