@@ -102,9 +102,8 @@ class LiveReply:
 
     @property
     def tok_s(self) -> float:
-        if self.first_delta is None or self.last_delta is None or self.last_delta <= self.first_delta or \
-                self.tokens < 2:  # (a server's deltas carry no token ids: no live speed, its own at the end)
-            return 0.0
+        if self.first_delta is None or self.last_delta is None or self.last_delta <= self.first_delta or self.tokens < 2:
+            return 0.0  # (a server's deltas carry no token ids: no live speed, but its own at the end)
         return (self.tokens - 1) / (self.last_delta - self.first_delta)
 
 
@@ -483,6 +482,7 @@ class EngineBridge(QObject):
     def _sample_status(self) -> None:
         engine = self.engine
         if engine is None or self.remote:  # a server's slots and metrics come from app.remote_status's poller
+            self.last_status = {}  # (no slot of this computer's engine is shown for a server's request)
             return
         try:
             status = engine.status()

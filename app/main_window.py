@@ -75,7 +75,6 @@ class MainWindow(QMainWindow):
         self.settings_panel = SettingsPanel(self.bridge)
         self.bridge.status_changed.connect(self.engine_panel.update_status)
         self.remote_poller = RemotePoller(self.bridge)  # a server's slots and metrics, while the engine is one
-        self.remote_poller.start()
         self.queue.open_transcript.connect(self.open_transcript)
         self.transcript.chat_about.connect(self.chat_about)
         self.chats.notice.connect(lambda sentence: self.statusBar().showMessage(sentence, 5000))
@@ -102,6 +101,9 @@ class MainWindow(QMainWindow):
         layout.addWidget(self.banner)
         layout.addWidget(self.tabs)
         self.setCentralWidget(page)
+        self.tabs.currentChanged.connect(self._engine_panel_shown)
+        self._engine_panel_shown()
+        self.remote_poller.start()
         self._first_run()
         self.statusBar().showMessage(f"Backends here: {', '.join(available_backends())}", 10000)
         for path in recover_recordings():  # a crash mid-recording: what was written is kept and queued
@@ -145,6 +147,10 @@ class MainWindow(QMainWindow):
                                 "computer, offline: drop recordings on the Transcribe tab, or start a chat.")
             self.banner.show()
         self.settings.first_run_done = True
+
+    def _engine_panel_shown(self, *_) -> None:
+        """A server is asked for its slots and metrics only while someone looks at them."""
+        self.remote_poller.active = self.tabs.currentWidget() is self.engine_panel
 
     def show_problem(self, sentence: str) -> None:
         self.statusBar().showMessage(sentence, 15000)

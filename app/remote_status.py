@@ -2,9 +2,9 @@
 
 :class:`RemotePoller` asks the server for ``GET /slots`` (llama.cpp's shape, which a Cadence server and
 llama.cpp's own serve) and ``GET /metrics`` (Prometheus text: ``cadence:``, ``vllm:`` or ``llamacpp:``
-names) twice a second on a thread of its own, so the window never waits on the network, and hands the
-panel a snapshot shaped like ``Engine.status()`` (one lane per model the server names), through the
-bridge's ``status_changed`` signal. What a server does not report is said in one sentence, never guessed.
+names) twice a second while the panel is shown, on a thread of its own, so the window never waits on the
+network, and hands the panel a snapshot shaped like ``Engine.status()`` (one lane per model the server
+names), through the bridge's ``status_changed`` signal. What a server does not report is said in one sentence, never guessed.
 """
 
 from __future__ import annotations
@@ -175,6 +175,8 @@ class RemotePoller:
         self.bridge = bridge
         self.interval = interval
         self.polls = 0
+        self.active = True  # set by the window: polled only while the engine panel is shown (each ask costs the
+        # server a status read beside its decoding)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cadence-app-remote-poll", daemon=True)
 
@@ -187,7 +189,7 @@ class RemotePoller:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             engine = self.bridge.engine
-            if not self.bridge.remote:
+            if not self.active or not self.bridge.remote:
                 continue
             try:
                 status = self.sample(engine)

@@ -289,13 +289,14 @@ class SettingsPanel(QWidget):
     def apply(self) -> str:
         s = self.bridge.settings
         before = s.engine_choice()
+        bad_address = None
         if self.server.server_mode:
             try:
-                url = self.server.checked_url()
+                self.server.checked_url()
             except CadenceError as exc:  # a bad address changes nothing; the rest is stored
-                url = None
-                self.server.result.setText(str(exc))
-            if url is not None:
+                bad_address = str(exc)
+                self.server.result.setText(bad_address)
+            if bad_address is None:
                 s.engine_mode, s.server_url = "server", self.server.url.text().strip()
                 s.api_key = self.server.key.text().strip()  # the keyring, or this session: never the settings file
                 self.server.key_note.setText(where_kept())
@@ -323,8 +324,8 @@ class SettingsPanel(QWidget):
                                              min_duration=self.min_cue.value(), max_duration=self.max_cue.value())
         except CadenceError as exc:
             notes.append(f"The subtitle rules were not changed: {exc}")
-        if self.server.server_mode and s.engine_mode != "server":
-            notes.append(f"The engine was not changed: {self.server.result.text()}")
+        if bad_address:
+            notes.append(f"The engine was not changed: {bad_address}")
         if s.engine_choice() != before:
             notes.append(self.bridge.apply_engine_settings())
             if s.remote:
