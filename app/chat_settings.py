@@ -25,13 +25,14 @@ def chat_models() -> list[str]:
 class ChatSettingsDialog(QDialog):
     """Model, system prompt and sampling settings of one conversation."""
 
-    def __init__(self, conversation, parent: QWidget | None = None):
+    def __init__(self, conversation, parent: QWidget | None = None, models: list[str] | None = None):
+        """``models``: the names to offer (a server's); None: this computer's chat models."""
         super().__init__(parent)
         self.setWindowTitle("Chat settings")
         p = conversation.params
         self.model = QComboBox()
         self.model.setEditable(True)
-        self.model.addItems(chat_models())
+        self.model.addItems(chat_models() if models is None else models)
         self.model.setCurrentText(conversation.model)
         self.system = QPlainTextEdit(conversation.system or "")
         self.system.setPlaceholderText("Optional: how the assistant should answer")

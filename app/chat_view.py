@@ -36,6 +36,7 @@ from engine.errors import CadenceError
 from app.bridge import EngineBridge
 from app.chat_markdown import MarkdownRenderer, copy_kind, copy_link, style_sheet
 from app.chat_settings import ChatSettingsDialog
+from app.remote_settings import listed_chat_models
 
 REDRAW_MS = 80  # at most ~12 redraws a second while an answer streams
 DRAW_SHARE = 0.25  # ... and fewer when a redraw is slow: drawing takes at most this share of the window's time
@@ -409,7 +410,7 @@ class ChatView(QWidget):
     def edit_settings(self) -> None:
         if self.conversation is None:
             return
-        dialog = ChatSettingsDialog(self.conversation, self)
+        dialog = ChatSettingsDialog(self.conversation, self, models=listed_chat_models(self.bridge))
         if dialog.exec():
             self.apply_settings(**dialog.values())
 

@@ -21,6 +21,18 @@ SERVER_NOTE = ("A server runs its own engine, so backend, batching, drafting, pr
                "\"This computer\".")
 
 
+LISTED: dict[str, list[str]] = {}  # a server's API address -> the names it listed at its last connection test
+
+
+def listed_chat_models(bridge) -> list[str] | None:
+    """The chat models the bridge's server listed when it was last asked; None on this computer's engine (or a
+    server not asked yet): the caller offers this computer's models instead."""
+    if not bridge.remote:
+        return None
+    names = LISTED.get(bridge.engine.url)
+    return None if names is None else [n for n in names if n not in whisper_names(names)]
+
+
 def test_connection(url: str, key: str | None) -> tuple[bool, str, list[str]]:
     """(reachable, one sentence, the model names the server lists)."""
     try:
@@ -33,6 +45,7 @@ def test_connection(url: str, key: str | None) -> tuple[bool, str, list[str]]:
         return False, str(exc), []
     finally:
         engine.shutdown()
+    LISTED[engine.url] = list(names)
     if not names:
         return False, f"The server at {engine.url} answered but lists no models.", []
     return True, f"Reachable: the server at {engine.url} lists {len(names)} model{'s' if len(names) != 1 else ''} " \

@@ -128,6 +128,14 @@ def test_settings_switch_to_a_server_and_chats_transcripts_and_exports_equal_its
     assert panel.server.result.text().startswith("Reachable") and CHAT in panel.server.result.text()
     assert [panel.chat_model.itemText(i) for i in range(panel.chat_model.count())] == [CHAT]
     assert [panel.transcription_model.itemText(i) for i in range(panel.transcription_model.count())] == [WHISPER]
+    from app.chat_settings import ChatSettingsDialog
+    from app.remote_settings import listed_chat_models
+
+    assert listed_chat_models(window.bridge) == [CHAT]  # what a chat's own settings offer on this server
+    chats_dialog = ChatSettingsDialog(window.bridge.conversations.get(window.chats.new_chat()), window,
+                                      models=listed_chat_models(window.bridge))
+    assert [chats_dialog.model.itemText(i) for i in range(chats_dialog.model.count())] == [CHAT]
+    chats_dialog.deleteLater()
     # Recording needs this computer's engine, said in one sentence where the app records.
     window.recording.record()
     assert "needs the engine on this computer" in window.recording.message.text()
