@@ -372,3 +372,49 @@ def test_llama_cpp_python_server_chats_and_the_panel_says_what_it_does_not_repor
             model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=12,
             temperature=0)
         assert answer.state == "complete" and answer.content == direct.choices[0].message.content
+
+
+def test_vllm_and_llama_cpp_metrics_are_read_by_their_own_names():
+    """The panel reads vLLM's names (as vLLM 0.32 exports them: counters with _total, labels model_name and engine)
+    and llama.cpp's (no model label), from Prometheus text parsed as RemoteEngine.metrics() parses it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from app.remote_status import remote_status
+
+    def parsed(text):
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+        return out
+
+    vllm = parsed('# TYPE vllm:num_requests_running gauge\n'
+                  'vllm:num_requests_running{engine="0",model_name="smollm2"} 2\n'
+                  'vllm:num_requests_running{engine="1",model_name="smollm2"} 1\n'
+                  '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0",model_name="smollm2"} 4\n'
+                  '# TYPE vllm:generation_tokens counter\nvllm:generation_tokens_total{engine="0",model_name="smollm2"} 120\n'
+                  '# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total{engine="0",model_name="smollm2"} 40\n'
+                  '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0",model_name="smollm2"} 0.25\n'
+                  '# TYPE vllm:time_to_first_token_seconds histogram\n'
+                  'vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="smollm2"} 2\n'
+                  'vllm:time_to_first_token_seconds_count{engine="0",model_name="smollm2"} 2\n'
+                  'vllm:time_to_first_token_seconds_sum{engine="0",model_name="smollm2"} 0.5\n')
+    status = remote_status("http://gpu-box:8000/v1", None, vllm)
+    assert status["remote"]["summary"] == ("Server: http://gpu-box:8000/v1 (vLLM) · 3 requests running, 4 waiting · "
+                                           "120 tokens generated, 40 prompt tokens · means: first token 0.25 s · "
+                                           "KV cache 25% used")
+    assert status["remote"]["missing"] == ("This server does not report step time, calibration, precision or its "
+                                           "slots (it has no /slots).")
+    assert status["lanes"]["smollm2"]["running"] == 3 and status["lanes"]["smollm2"]["waiting"] == 4
+
+    llama = parsed('# TYPE llamacpp:tokens_predicted_total counter\nllamacpp:tokens_predicted_total 30\n'
+                   '# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 1\n'
+                   '# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 0\n')
+    slots = [{"id": 0, "id_task": 5, "n_ctx": 4096, "is_processing": True, "next_token": {"n_decoded": 7}},
+             {"id": 1, "id_task": -1, "n_ctx": 4096, "is_processing": False, "next_token": {"n_decoded": 0}}]
+    status = remote_status("http://box:8080/v1", slots, llama)
+    assert "(llama.cpp's server) · 1 request running, 0 waiting · 30 tokens generated" in status["remote"]["summary"]
+    assert status["remote"]["missing"].endswith("precision, latencies or drafting.")
+    [lane] = status["lanes"].values()
+    assert lane["slots"] == [{"request": "server request 5", "context": 4096, "tokens": 7, "drafted": None,
+                              "accepted": None}, None] and lane["width"] == 2
