@@ -162,15 +162,22 @@ class Service:
         threading.Thread(target=run, name="cadence-serve-warm", daemon=True).start()
 
     def admit(self) -> None:
-        """Turn a new request away (429) when ``max_waiting`` requests already wait for a slot."""
+        """Turn a new request away (429) when ``max_waiting`` requests already wait for a slot: those in flight that
+        hold no slot, less the free slots of their model's lane (they are about to take them)."""
         for ident, handle in list(self.in_flight.items()):
             if handle.ended:
                 self.in_flight.pop(ident, None)
         if len(self.in_flight) < self.max_waiting:  # fewer than the limit even if none had a slot
             return
-        decoding = {slot["request"] for lane in self.engine.status()["lanes"].values()
-                    for slot in lane["slots"] if slot is not None}
-        waiting = sum(1 for ident in list(self.in_flight) if ident not in decoding)
+        lanes = self.engine.status()["lanes"]
+        decoding = {slot["request"] for lane in lanes.values() for slot in lane["slots"] if slot is not None}
+        outside: dict[str, int] = {}
+        for ident, handle in list(self.in_flight.items()):
+            if ident not in decoding:
+                model = getattr(handle.request, "model", "")
+                outside[model] = outside.get(model, 0) + 1
+        waiting = sum(max(0, n - sum(slot is None for slot in lanes.get(model, {}).get("slots", [])))
+                      for model, n in outside.items())
         if waiting >= self.max_waiting:
             raise ApiError(429, f"The server is busy: {waiting} requests already wait for a slot. Try again shortly.",
                            kind="rate_limit_error", code="queue_full",

@@ -218,18 +218,22 @@ class RemoteEngine:
         fitting = PromptFitting(document_parts=parts, system=request.system_for(parts) if parts is not None else None)
         handle.emit(ChatStarted(handle.id, fitting=fitting))
         text, first, usage, reason = [], None, None, None
-        for chunk in stream:
-            if handle.cancelled:
-                break
-            if chunk.usage is not None:
-                usage = chunk.usage
-            for choice in chunk.choices:
-                piece = choice.delta.content if choice.delta else None
-                if piece:
-                    first = first or time.perf_counter()
-                    text.append(piece)
-                    handle.emit(Delta(handle.id, text=piece))
-                reason = choice.finish_reason or reason
+        try:
+            for chunk in stream:
+                if handle.cancelled:
+                    break
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                for choice in chunk.choices:
+                    piece = choice.delta.content if choice.delta else None
+                    if piece:
+                        first = first or time.perf_counter()
+                        text.append(piece)
+                        handle.emit(Delta(handle.id, text=piece))
+                    reason = choice.finish_reason or reason
+        except Exception:
+            if not handle.cancelled:  # the connection failed; a stream closed by cancel() ends the answer below
+                raise
         if handle.cancelled:
             reason = "cancelled"
         elif reason is None:

@@ -10,15 +10,11 @@ import json
 import os
 import re
 import socket
-import subprocess
-import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 from PySide6.QtCore import Qt
+from serving import start_server, status
 from app_support import app_home, open_window, short_params, wait_answers, wait_jobs_settled, drop_files  # noqa: F401
 
 # The tests never touch a person's keyring: keyring's own setting names the backend that has none (as on CI),
@@ -32,36 +28,11 @@ FREEZE_S = 1.0  # a window that does not answer for this long is frozen
 
 
 def _health(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=30) as r:
-            return r.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
+    return status(url + "/health")
 
 
 def _start_server(tmp_path_factory, *flags):
-    """`cadence serve` on a free loopback port with its own data folder, once its models are loaded."""
-    env = dict(os.environ, CADENCE_DATA_DIR=str(tmp_path_factory.mktemp("remote-serve-data")))
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", "0", "--api-key", KEY,
-                             "--precision", "float32", "--batch", "4", "--context", "2048", *flags],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    lines: list[str] = []
-    url = None
-    while url is None:
-        line = proc.stderr.readline()
-        if not line:
-            raise AssertionError(f"the server ended before it listened: {''.join(lines)}")
-        lines.append(line)
-        found = re.search(r"at (http://[\d.]+:\d+)/v1", line)
-        url = found.group(1) if found else None
-    threading.Thread(target=lambda: [lines.append(x) for x in proc.stderr], daemon=True).start()
-    deadline = time.monotonic() + 600
-    while _health(url) != 200:
-        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-        time.sleep(0.5)
-    return proc, url, lines
+    return start_server(tmp_path_factory, KEY, "--precision", "float32", "--batch", "4", "--context", "2048", *flags)
 
 
 @pytest.fixture(scope="module")
@@ -296,8 +267,6 @@ def test_the_engine_panel_draws_the_servers_slots_and_metrics_live(qtbot, app_ho
     assert beat.longest < FREEZE_S, f"the window was blocked for {beat.longest:.2f} s"
 
 
-@pytest.mark.xfail(strict=True, reason="engine/remote.py: cancelling closes the stream, whose next read raises, so "
-                   "_run fails the request ('Cancelled.') instead of finishing it as cancelled; not the app's to change")
 def test_stop_keeps_a_servers_answer_as_stopped(qtbot, app_home, server):  # noqa: F811
     window = _server_window(qtbot, app_home, server)
     chats = window.chats

@@ -1,7 +1,7 @@
 """`cadence serve` in a process of its own on loopback, driven by the real `openai` client: the answers
 are the engine's own greedy tokens, streamed or not, one or eight at once; transcriptions are the
 engine's in every response format; bad requests get OpenAI's error shape with one sentence and leave
-the server serving; beyond its queue limit it turns requests away and loses none."""
+the server serving (its queue limit and a server that dies: test_serve_limits.py)."""
 
 import json
 import os
@@ -15,6 +15,8 @@ import urllib.request
 
 import pytest
 
+from serving import start_server, status, stop_server
+
 from engine import ChatRequest, SamplingParams, TranscribeRequest
 
 KEY = "test-key-1234"
@@ -25,34 +27,10 @@ PROMPTS = ["What is the capital of France?", "Name a primary colour.", "List the
            "Say hello.", "What is two plus two?", "Name a fruit.", "Write one word.", "What colour is the sky?"]
 
 
-PROCESSES = {}  # a server's URL -> its process
-
-
 def _serve(tmp_path_factory, *flags):
-    """`cadence serve` on a free loopback port, once its models are loaded: yields its URL."""
-    env = dict(os.environ, CADENCE_DATA_DIR=str(tmp_path_factory.mktemp("serve-data")))
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", "0", "--api-key", KEY,
-                             "--precision", "float32", *flags],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    lines = []
-    url = None
-    while url is None:
-        line = proc.stderr.readline()
-        if not line:
-            raise AssertionError(f"the server ended before it listened: {''.join(lines)}")
-        lines.append(line)
-        found = re.search(r"at (http://[\d.]+:\d+)/v1", line)
-        url = found.group(1) if found else None
-    threading.Thread(target=lambda: [lines.append(x) for x in proc.stderr], daemon=True).start()
-    PROCESSES[url] = proc
-    deadline = time.monotonic() + 300
-    while _status(url + "/health") != 200:
-        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-        time.sleep(0.5)
+    proc, url, lines = start_server(tmp_path_factory, KEY, "--precision", "float32", *flags)
     yield url
-    proc.terminate()
-    proc.wait(30)
-    assert "Traceback" not in "".join(lines)
+    stop_server(proc, lines)
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +42,6 @@ def _slots(url: str) -> list[dict]:
     request = urllib.request.Request(url + "/slots", headers={"Authorization": f"Bearer {KEY}"})
     with urllib.request.urlopen(request, timeout=60) as r:
         return json.loads(r.read())
-
-
-def _status(url: str, data: bytes | None = None, headers: dict | None = None) -> int:
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers or {}), timeout=60) as r:
-            return r.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
 
 
 def _post(url: str, body: bytes, key: str | None = KEY) -> tuple[int, dict]:
@@ -101,7 +69,7 @@ def engine_answers(engine4):
 
 
 def test_models_and_health(server, client):
-    assert _status(server + "/health") == 200
+    assert status(server + "/health") == 200
     assert [m.id for m in client.models.list().data] == [MODEL, WHISPER]
 
 
@@ -200,8 +168,8 @@ def test_a_missing_or_wrong_key_is_refused(server):
     for key in (None, "wrong"):
         code, answer = _post(server, body, key=key)
         assert code == 401 and "API key" in answer["error"]["message"]
-    assert _status(server + "/v1/models") == 401
-    assert _status(server + "/health") == 200  # health needs no key
+    assert status(server + "/v1/models") == 401
+    assert status(server + "/health") == 200  # health needs no key
 
 
 def test_serving_beyond_loopback_needs_a_key():
@@ -379,44 +347,6 @@ def test_an_english_only_model_refuses_to_translate(client, speech):
             client.audio.translations.create(model=WHISPER, file=f)
 
 
-# ---------------------------------------------------------------------------- the queue limit
-@pytest.fixture(scope="module")
-def small_server(tmp_path_factory):
-    """Two slots and at most two requests waiting; no Whisper."""
-    yield from _serve(tmp_path_factory, "--batch", "2", "--max-waiting", "2", "--whisper-model", "none")
-
-
-def test_requests_beyond_the_queue_limit_are_turned_away_and_none_is_lost(small_server):
-    body = json.dumps({"model": MODEL, "max_tokens": 6, "temperature": 0,
-                       "messages": [{"role": "user", "content": "Say hello."}]}).encode()
-    outcomes = []
-
-    def ask():
-        request = urllib.request.Request(small_server + "/v1/chat/completions", data=body, headers={
-            "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-        try:
-            with urllib.request.urlopen(request, timeout=300) as r:
-                outcomes.append((r.status, json.loads(r.read())["choices"][0]["message"]["content"], None))
-        except urllib.error.HTTPError as exc:
-            outcomes.append((exc.code, json.loads(exc.read())["error"]["message"], exc.headers.get("Retry-After")))
-
-    threads = [threading.Thread(target=ask) for _ in range(204)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    assert len(outcomes) == 204  # every request was answered, one way or the other
-    answered = [text for code, text, _ in outcomes if code == 200]
-    refused = [(text, after) for code, text, after in outcomes if code == 429]
-    assert len(answered) + len(refused) == 204 and len(refused) >= 100 and len(answered) >= 4
-    assert len(set(answered)) == 1  # the same greedy answer each time
-    assert all("busy" in text and text.endswith(".") and after.isdigit() and int(after) >= 1
-               for text, after in refused)
-    code, _ = _post(small_server, body)
-    assert code == 200
-
-
-
 # ---------------------------------------------------------------------------- the command line on a server
 def _cli(server, *args, data_dir) -> subprocess.CompletedProcess:
     env = dict(os.environ, CADENCE_DATA_DIR=str(data_dir), CADENCE_SERVER=server, CADENCE_API_KEY=KEY)
@@ -459,24 +389,3 @@ def test_a_transcript_too_long_for_the_servers_context_is_cut_to_fit(server, tmp
     assert reply.wait(600).state == "complete"
     fitted = conversations.get(reply.conversation_id).context["transcript"]
     assert fitted["fitted"] and fitted["parts_used"] in (20, 10, 5) and "was cut to" in fitted["notice"]
-
-
-def test_a_server_that_dies_mid_answer_leaves_the_partial_answer_stored(small_server, tmp_path):
-    """(The last test of the module: it kills the small server.)"""
-    from engine.chat.answering import Conversations
-    from engine.errors import CadenceError
-    from engine.remote import RemoteEngine
-
-    conversations = Conversations(RemoteEngine(small_server, KEY, retries=0), tmp_path / "chats.sqlite")
-    reply = conversations.start("Write a long story about a lighthouse.", model=MODEL,
-                                params=SamplingParams(max_tokens=2000))
-    received = ""
-    for text in reply:
-        received += text
-        if len(received) > 40 and PROCESSES[small_server].poll() is None:
-            PROCESSES[small_server].kill()  # the server dies mid-answer
-    with pytest.raises(CadenceError, match="connection to it was lost|ended before the answer did"):
-        reply.wait(60)
-    answer = conversations.get(reply.conversation_id).messages[-1]
-    assert answer.state == "failed" and answer.content == received and len(received) > 40
-    assert answer.error.endswith(".")
