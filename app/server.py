@@ -137,6 +137,7 @@ class Service:
         self.load_error: str | None = None
         self.created = int(time.time())
         self.in_flight: dict[int, object] = {}  # handle id -> handle, for every request not yet answered
+        self.contexts: dict[str, int] = {}  # chat model -> positions per slot (prompt and answer), once loaded
         self.recent_seconds = 2.0  # a running mean of how long a request takes, for Retry-After
 
     def warm(self) -> None:
@@ -155,6 +156,8 @@ class Service:
                     self.engine.submit(ChatRequest("Hi", model=model, params=SamplingParams(max_tokens=1))).result()
                 for model in self.whisper_models:
                     self.engine.submit(TranscribeRequest(noise, model=model, windowing="fixed", name="warm-up")).result()
+                lanes = self.engine.status()["lanes"]
+                self.contexts = {model: lanes[model]["context"] for model in self.models if model in lanes}
             except CadenceError as exc:
                 self.load_error = str(exc)
             self.ready.set()
@@ -349,6 +352,10 @@ def create_app(service: Service):
         return await answer(request, body, text_request(body, service), TEXT)
 
     async def answer(request: Request, body: dict, chat, shape: "Shape"):
+        context = service.contexts.get(chat.model)
+        if context is not None and chat.params.max_tokens >= context:
+            raise ApiError(400, f"'max_tokens' ({chat.params.max_tokens}) must leave room for the prompt in this "
+                                f"model's {context} positions per request.", param="max_tokens")
         service.admit()
         handle = service.engine.submit(chat)
         if body.get("stream"):  # refused before it starts (too long, ...): an HTTP error, as vLLM's

@@ -147,12 +147,16 @@ def test_slots_show_eight_busy_and_clients_that_go_away_free_theirs(server, clie
      "at least 1"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": "ten"}).encode(),
      400, "whole number"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": -5}).encode(), 400,
+     "at least 1"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10**9}).encode(), 400,
+     "must leave room for the prompt"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": -1}).encode(), 400,
      "Temperature"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi " * 12000}]}).encode(), 400, "tokens"),
     (b'{"model": "' + b"a" * (20 << 20) + b'"}', 413, "larger than"),
 ], ids=["malformed-json", "not-an-object", "unknown-model", "no-messages", "unknown-role", "content-not-text",
-        "max-tokens-0", "max-tokens-text", "negative-temperature", "over-the-context", "20-MB-body"])
+        "max-tokens-0", "max-tokens-text", "max-tokens-negative", "max-tokens-huge", "negative-temperature", "over-the-context", "20-MB-body"])
 def test_bad_requests_get_one_sentence_and_the_server_goes_on(server, body, status, words):
     code, answer = _post(server, body)
     assert code == status, answer
