@@ -32,19 +32,24 @@ def start_server(tmp_path_factory, key: str, *flags: str):
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", "0", "--api-key", key, *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     lines: list[str] = []
-    url = None
-    while url is None:
-        line = proc.stderr.readline()
-        if not line:
-            raise AssertionError(f"the server ended before it listened: {''.join(lines)}")
-        lines.append(line)
-        found = re.search(r"at (http://[\d.]+:\d+)/v1", line)
-        url = found.group(1) if found else None
-    threading.Thread(target=lambda: [lines.append(x) for x in proc.stderr], daemon=True).start()
-    deadline = time.monotonic() + LOAD_S
-    while status(url + "/health") != 200:
-        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-        time.sleep(0.5)
+    try:
+        url = None
+        while url is None:
+            line = proc.stderr.readline()
+            if not line:
+                raise AssertionError(f"the server ended before it listened: {''.join(lines)}")
+            lines.append(line)
+            found = re.search(r"at (http://[\d.]+:\d+)/v1", line)
+            url = found.group(1) if found else None
+        threading.Thread(target=lambda: [lines.append(x) for x in proc.stderr], daemon=True).start()
+        deadline = time.monotonic() + LOAD_S
+        while status(url + "/health") != 200:
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            time.sleep(0.5)
+    except BaseException:  # a server that never got ready is not left running (it holds gigabytes)
+        proc.kill()
+        proc.wait(30)
+        raise
     return proc, url, lines
 
 
