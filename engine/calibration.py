@@ -4,10 +4,14 @@ On a model's first load with batching on ``auto``, time one decode step at width
 and on (32, 64, ... while a width still qualifies), as far as memory allows, each slot holding a typical
 history. Aggregate speed is width / step time; a slot's own speed is 1 / step time. The chosen
 width maximizes aggregate speed among the widths where each slot keeps at least half of its
-single-stream speed. Each width is also timed with one more row per slot (a draft being verified):
+single-stream speed (the *interactive* rule: the app, where one person waits on each answer). A server
+asks for the *throughput* rule instead: widths are measured on while each doubling still adds
+THROUGHPUT_GAIN of aggregate speed (up to the memory bound), and the chosen width is the last that
+did: the near-best aggregate at the narrowest width that reaches it. Each width is also timed with one more row per slot (a draft being verified):
 what a draft row costs differs by family (Whisper's slots each read 1500 positions of encoder
 memory, which the slot's extra rows share), and the drafting planner prices rows with it. The curve
-and the choice are cached per model file, device and PyTorch version, so later loads start at once.
+is cached per model file, device and PyTorch version, so later loads start at once (a throughput load
+measures on from a cached curve that stopped short); the choice is made from it by the rule asked for.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ ALWAYS_MEASURED = 16  # widths up to this are always measured (memory permitting
 HISTORY = 128  # cache positions each slot holds while its step is timed
 WARMUP_STEPS = 2
 TIMED_STEPS = 7
-MIN_SLOT_SHARE = 0.5  # each slot keeps at least this share of single-stream speed
+MIN_SLOT_SHARE = 0.5  # interactive rule: each slot keeps at least this share of single-stream speed
+THROUGHPUT_GAIN = 1.1  # throughput rule: a wider lane must add at least this factor of aggregate speed
+WIDTH_RULES = ("interactive", "throughput")
 MEMORY_SHARE = 0.25  # at most this share of the device's memory goes to one lane's caches
 
 
@@ -43,6 +49,7 @@ class Calibration:
     step_ms: list[float] = field(default_factory=list)
     verify_ms: list[float] = field(default_factory=list)  # the same widths with 2 rows per slot
     chosen: int = 1
+    rule: str = "interactive"  # the rule that chose it (see choose_width)
     memory_limit_width: int = 0  # the widest lane the memory share allows at the model's full length
     seconds: float = 0.0  # how long measuring took
     from_cache: bool = False
@@ -111,16 +118,39 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def choose_width(widths: list[int], step_ms: list[float], limit: int | None = None) -> int:
-    """Widest-aggregate width among those keeping each slot at half its single-stream speed."""
+def choose_width(widths: list[int], step_ms: list[float], limit: int | None = None, rule: str = "interactive") -> int:
+    """The width a lane runs at, from its measured curve, at most ``limit``.
+
+    ``interactive`` (the app): the widest aggregate among the widths keeping each slot at
+    MIN_SLOT_SHARE of its single-stream speed. ``throughput`` (a server): walking up the widths, a
+    wider one is taken when its aggregate is at least THROUGHPUT_GAIN times the one taken so far."""
+    if rule not in WIDTH_RULES:
+        raise ValueError(f"unknown width rule {rule!r}")
     single = 1000 / step_ms[0]
     best, best_aggregate = widths[0], 0.0
     for w, ms in zip(widths, step_ms):
         if limit and w > limit:
             continue
-        if 1000 / ms >= MIN_SLOT_SHARE * single and w * 1000 / ms > best_aggregate:
-            best, best_aggregate = w, w * 1000 / ms
+        aggregate = w * 1000 / ms
+        if rule == "throughput":
+            if aggregate >= THROUGHPUT_GAIN * best_aggregate:
+                best, best_aggregate = w, aggregate
+        elif 1000 / ms >= MIN_SLOT_SHARE * single and aggregate > best_aggregate:
+            best, best_aggregate = w, aggregate
     return best
+
+
+def _measure_on(result: Calibration, rule: str) -> bool:
+    """Whether the next width is worth measuring after the widths in ``result``."""
+    if not result.widths:
+        return True
+    width, ms = result.widths[-1], result.step_ms[-1]
+    if width < ALWAYS_MEASURED or 1000 / ms >= MIN_SLOT_SHARE * 1000 / result.step_ms[0]:
+        return True  # slots are still above half speed (the interactive rule's range)
+    if rule != "throughput":
+        return False  # slots are below half speed now; wider only gets slower per slot
+    earlier = [w * 1000 / t for w, t in zip(result.widths[:-1], result.step_ms[:-1])]
+    return width * 1000 / ms >= THROUGHPUT_GAIN * max(earlier, default=0.0)  # still gaining
 
 
 def time_step(decoder: BatchedDecoder, width: int, rows_per_slot: int = 1) -> float:
@@ -147,39 +177,44 @@ def _cache_file(model_key: str, device: str):
     return cache_dir() / "calibration" / f"v{CALIBRATION_VERSION}-torch{torch.__version__}-{safe}.json"
 
 
-def calibrate(decoder: BatchedDecoder, model: str, model_key: str, use_cache: bool = True) -> Calibration:
-    """The measured curve and chosen width for this model on this device (cached)."""
+def calibrate(decoder: BatchedDecoder, model: str, model_key: str, use_cache: bool = True,
+              rule: str = "interactive") -> Calibration:
+    """The measured curve for this model on this device (cached) and the width ``rule`` chooses from it."""
     device = device_identity(decoder.device)
     path = _cache_file(model_key, device)
     with held(path):  # one process measures this machine at a time; the next reads its result
-        return _calibrate(decoder, model, device, path, use_cache)
+        return _calibrate(decoder, model, device, path, use_cache, rule)
 
 
-def _calibrate(decoder: BatchedDecoder, model: str, device: str, path, use_cache: bool) -> Calibration:
+def _calibrate(decoder: BatchedDecoder, model: str, device: str, path, use_cache: bool, rule: str) -> Calibration:
+    result = None
     if use_cache and path.exists():
         try:
             data = json.loads(path.read_text())
-            data.pop("aggregate_tok_s", None)
-            data.pop("per_slot_tok_s", None)
-            return Calibration(**{**data, "from_cache": True})
+            for derived in ("aggregate_tok_s", "per_slot_tok_s", "rule"):
+                data.pop(derived, None)
+            result = Calibration(**{**data, "from_cache": True})
         except (ValueError, TypeError):
-            pass  # a damaged cache file is measured again
-    limit = max(1, int(device_memory(decoder.device) * MEMORY_SHARE) // max(decoder.slot_bytes, 1))
-    result = Calibration(model=model, device=device, memory_limit_width=limit)
+            result = None  # a damaged cache file is measured again
+    if result is None:
+        limit = max(1, int(device_memory(decoder.device) * MEMORY_SHARE) // max(decoder.slot_bytes, 1))
+        result = Calibration(model=model, device=device, memory_limit_width=limit)
+    measured = len(result.widths)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        for width in WIDTHS:
-            if width > limit and width > 1:
+        for width in WIDTHS[measured:]:
+            if (width > result.memory_limit_width and width > 1) or not _measure_on(result, rule):
                 break
             result.widths.append(width)
             result.step_ms.append(round(time_step(decoder, width), 3))
             result.verify_ms.append(round(time_step(decoder, width, rows_per_slot=2), 3))
-            if width >= ALWAYS_MEASURED and 1000 / result.step_ms[-1] < MIN_SLOT_SHARE * 1000 / result.step_ms[0]:
-                break  # slots are below half speed now; wider only gets slower per slot
-    result.seconds = round(time.perf_counter() - t0, 2)
-    result.chosen = choose_width(result.widths, result.step_ms, limit)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(result.to_json(), indent=1))
-    tmp.replace(path)
+    result.rule = rule
+    result.chosen = choose_width(result.widths, result.step_ms, result.memory_limit_width, rule)
+    if len(result.widths) > measured:  # measured now (all of it, or on from a cached curve): saved for next time
+        result.seconds = round(result.seconds + time.perf_counter() - t0, 2)
+        result.from_cache = False
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(result.to_json(), indent=1))
+        tmp.replace(path)
     return result

@@ -52,7 +52,7 @@ class Engine:
 
     def __init__(self, backend: str = "auto", batch: str | int | None = None, step_log: str | Path | None = None,
                  drafter: str | None = None, draft_depth: int | None = None, draft_min_p: float = 0.0,
-                 precision: str | None = None, context: str | int | None = None):
+                 precision: str | None = None, context: str | int | None = None, width_rule: str = "interactive"):
         """``drafter``: 'auto' (the model's MTP head when one is shipped, else n-gram), 'mtp',
         'ngram', 'draft:MODEL' or 'off'; None reads CADENCE_DRAFTER, else 'auto'. ``draft_depth``
         fixes the drafts per slot and step (else chosen per slot, per step); ``draft_min_p`` skips
@@ -60,9 +60,13 @@ class Engine:
         model and machine, see engine.precision), 'float32', 'bfloat16' or 'int8'; None reads
         CADENCE_PRECISION, else 'auto'. A precision this machine lacks is refused here. ``context``:
         positions per slot: 'auto' (the model's own context, as far as the lane's memory share allows
-        at its width) or a number (at most the model's); None reads CADENCE_CONTEXT, else 'auto'."""
+        at its width) or a number (at most the model's); None reads CADENCE_CONTEXT, else 'auto'.
+        ``width_rule``: how 'auto' picks the width from the measured curve (engine.calibration):
+        'interactive' (the app: each stream stays quick) or 'throughput' (a server: the most tokens
+        per second over all streams)."""
         from engine.backend import resolve_backend
         from engine.drafting import DRAFTER_ENV, MAX_DEPTH, parse_drafter
+        from engine.calibration import WIDTH_RULES
         from engine.kernels import check_precision
 
         self.device = resolve_backend(backend)
@@ -77,6 +81,9 @@ class Engine:
                 (BATCH_ENV if os.environ.get(BATCH_ENV) else "default")
         else:
             self.batch, self.batch_source = parse_batch(batch), "argument"
+        if width_rule not in WIDTH_RULES:
+            raise CadenceError(f"The width rule must be one of {', '.join(WIDTH_RULES)} (got {width_rule!r}).")
+        self.width_rule = width_rule
         self.context = parse_context(context if context is not None else os.environ.get(CONTEXT_ENV) or "auto")
         self.drafter = parse_drafter(drafter if drafter is not None else os.environ.get(DRAFTER_ENV, "auto"))
         if draft_depth is not None and (not isinstance(draft_depth, int) or not 0 <= draft_depth <= MAX_DEPTH):
@@ -191,7 +198,7 @@ class Engine:
 
             calibration = None
             if self.batch == "auto" or self.drafter != "off":  # drafting needs the step-time curve too
-                calibration = calibrate(decoder, loaded.source.name, f"{key}-{precision}")
+                calibration = calibrate(decoder, loaded.source.name, f"{key}-{precision}", rule=self.width_rule)
             if calibration is not None:
                 self._calibrations[model] = calibration  # the curve and its choice, shown even when not used
             if self.batch == "auto":
@@ -218,6 +225,9 @@ class Engine:
         cost = StepCost(calibration.widths, calibration.step_ms, calibration.verify_ms)
         return drafter, DepthPlanner(cost, drafter, self.draft_depth), state
 
+    def _calibrated_from(self) -> str:
+        return "calibration" if self.width_rule == "interactive" else f"calibration, {self.width_rule} rule"
+
     def _log_step(self, record) -> None:
         if self._step_log is not None:
             self._step_log.write(json.dumps({"t": round(time.time(), 4), **record.to_json()}) + "\n")
@@ -234,7 +244,7 @@ class Engine:
                 "family": lane.decoder.family,
                 "architecture": lane.decoder.architecture,
                 "width": lane.width,
-                "width_from": "calibration" if self.batch == "auto" else ("batch off" if self.batch == "off"
+                "width_from": self._calibrated_from() if self.batch == "auto" else ("batch off" if self.batch == "off"
                                                                           else self.batch_source),
                 **self._precision_status(model),
                 "calibration": calibration.to_json() if calibration else None,

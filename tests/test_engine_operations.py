@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.calibration import MIN_SLOT_SHARE, calibrate, choose_width
+from engine.calibration import MIN_SLOT_SHARE, THROUGHPUT_GAIN, WIDTHS, calibrate, choose_width
 from engine import ChatRequest, Engine, TranscribeRequest
 from engine.api import parse_batch
 from engine.errors import CadenceError
@@ -28,6 +28,18 @@ def test_choose_width_keeps_half_single_stream_speed():
     assert choose_width(widths, step_ms) == 16  # 32 has the best aggregate but 33 < 50 tok/s per slot
     assert choose_width(widths, step_ms, limit=8) == 8  # memory allows 8 at most
     assert choose_width([1, 2], [10.0, 25.0]) == 1  # 2 slots at 40 tok/s each are below half speed
+
+
+def test_the_throughput_rule_widens_while_aggregate_speed_still_grows():
+    widths = [1, 2, 4, 8, 16, 32, 64]
+    step_ms = [10.0, 10.5, 11.0, 14.0, 19.0, 30.0, 56.0]  # aggregate 100, 190, 364, 571, 842, 1067, 1143 tok/s
+    assert choose_width(widths, step_ms, rule="throughput") == 32  # 64 adds 7%, less than THROUGHPUT_GAIN
+    assert choose_width(widths, step_ms, limit=16, rule="throughput") == 16
+    noisy = [10.0, 10.5, 11.0, 14.0, 40.0, 30.0, 56.0]  # one slow measurement at 16 does not stop the climb
+    assert choose_width(widths, noisy, rule="throughput") == 32
+    assert choose_width([1, 2], [10.0, 25.0], rule="throughput") == 1  # 80 tok/s at 2 slots is less than 100
+    with pytest.raises(ValueError):
+        choose_width(widths, step_ms, rule="fastest")
 
 
 def test_calibration_measures_a_curve_chooses_by_the_rule_and_is_cached(tiny):
@@ -51,6 +63,41 @@ def test_auto_engine_uses_the_calibrated_width_and_reports_it(tiny):
         assert lane["width_from"] == "calibration"
         assert lane["width"] == lane["calibration"]["chosen"]
         assert lane["calibration"]["aggregate_tok_s"][0] == lane["calibration"]["per_slot_tok_s"][0]
+    finally:
+        engine.shutdown()
+
+
+def test_a_throughput_engine_measures_on_from_the_cached_curve_and_reports_its_rule(tiny):
+    """The app's interactive curve is cached first (the test above); a server's engine measures wider
+    widths only while aggregate speed still grows, keeps what was cached, and says which rule chose."""
+    decoder = WhisperBatched(tiny)
+    key = "test-" + source_key(tiny.source)
+    interactive = calibrate(decoder, "whisper-tiny.en", key)
+    wide = calibrate(decoder, "whisper-tiny.en", key, rule="throughput")
+    n = len(interactive.widths)
+    assert wide.widths[:n] == interactive.widths and wide.step_ms[:n] == interactive.step_ms  # not measured again
+    assert wide.widths == list(WIDTHS[:len(wide.widths)])
+    aggregate = [w * 1000 / ms for w, ms in zip(wide.widths, wide.step_ms)]
+    if len(wide.widths) > n:  # measured on: the widths before the last were still gaining
+        assert aggregate[-2] >= THROUGHPUT_GAIN * max(aggregate[:-2])
+    stopped_growing = aggregate[-1] < THROUGHPUT_GAIN * max(aggregate[:-1])
+    at_the_end = len(wide.widths) == len(WIDTHS) or WIDTHS[len(wide.widths)] > wide.memory_limit_width
+    assert stopped_growing or at_the_end
+    assert wide.rule == "throughput" and wide.chosen == choose_width(wide.widths, wide.step_ms,
+                                                                     wide.memory_limit_width, "throughput")
+    assert calibrate(decoder, "whisper-tiny.en", key).chosen == interactive.chosen  # the app's rule is unchanged
+
+    with pytest.raises(CadenceError, match="width rule"):
+        Engine(backend="cpu", width_rule="fastest")
+    engine = Engine(backend="cpu", batch="auto", width_rule="throughput")
+    try:
+        engine.submit(TranscribeRequest(SILENCE, model="whisper-tiny.en")).result(300)
+        lane = engine.status()["lanes"]["whisper-tiny.en"]
+        assert lane["width_from"] == "calibration, throughput rule"
+        assert lane["width"] == lane["calibration"]["chosen"] == choose_width(
+            lane["calibration"]["widths"], lane["calibration"]["step_ms"], lane["calibration"]["memory_limit_width"],
+            "throughput")
+        assert lane["calibration"]["rule"] == "throughput"
     finally:
         engine.shutdown()
 

@@ -172,9 +172,9 @@ def remote_model(server: tuple[str, str | None], asked: str | None, whisper: boo
     return fitting[0]
 
 
-def add_engine_flags(p: argparse.ArgumentParser, backends) -> None:
+def add_engine_flags(p: argparse.ArgumentParser, backends, auto_width: str = "measured for this machine") -> None:
     p.add_argument("--batch", default=None, metavar="auto|off|N",
-                   help="slots decoded together: auto (measured for this machine), off (one at a time, the exact "
+                   help=f"slots decoded together: auto ({auto_width}), off (one at a time, the exact "
                         "single-stream path) or N (default: $CADENCE_BATCH, else auto)")
     p.add_argument("--backend", choices=backends, default="auto")
     p.add_argument("--drafter", default=None, metavar="auto|mtp|ngram|draft:MODEL|off",

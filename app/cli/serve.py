@@ -31,7 +31,8 @@ def add_parser(sub, backends) -> None:
                    help=f"requests that may wait for a slot; beyond them new ones get 429 (default {DEFAULT_MAX_WAITING})")
     p.add_argument("--max-audio-mb", type=int, default=DEFAULT_MAX_AUDIO_MB, metavar="MB",
                    help=f"largest audio upload taken (default {DEFAULT_MAX_AUDIO_MB})")
-    add_engine_flags(p, backends)
+    add_engine_flags(p, backends, auto_width="measured for this machine, for the most tokens per second over all "
+                                            "clients")
     p.set_defaults(func=cmd_serve)
 
 
@@ -56,7 +57,8 @@ def cmd_serve(args) -> int:
 
     from engine import Engine
 
-    engine = Engine(backend=args.backend, batch=batch, **options)
+    # Many clients share a server's lanes: its automatic width is chosen for throughput (engine.calibration).
+    engine = Engine(backend=args.backend, batch=batch, width_rule="throughput", **options)
     service = Service(engine, models, api_key, whisper, max_waiting=args.max_waiting,
                       max_audio_bytes=args.max_audio_mb << 20)
     service.warm()
