@@ -173,6 +173,12 @@ def main() -> int:
                 print(f"{server.name} ready in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
                 model = "smollm2-135m-instruct" if key == "cadence" else NAME
                 rows += measure(server, model, widths, args.tokens)
+                if key == "cadence":  # the width its lane ran at (one entry per slot in /slots)
+                    import urllib.request
+
+                    with urllib.request.urlopen(server.url + "/slots", timeout=30) as answer:
+                        slots = json.loads(answer.read())
+                    print(f"cadence serve's lane width: {len(slots)}", file=sys.stderr, flush=True)
         except RuntimeError as exc:
             print(f"{key}: {str(exc).splitlines()[0]}", file=sys.stderr)
     print("| server | clients | aggregate tok/s | TTFT p50 / p99 (s) | per-token p50 / p99 (ms) | answered | "

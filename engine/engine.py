@@ -198,7 +198,8 @@ class Engine:
 
             calibration = None
             if self.batch == "auto" or self.drafter != "off":  # drafting needs the step-time curve too
-                calibration = calibrate(decoder, loaded.source.name, f"{key}-{precision}", rule=self.width_rule)
+                rule = self.width_rule if self.batch == "auto" else "interactive"  # (for drafting: up to 16)
+                calibration = calibrate(decoder, loaded.source.name, f"{key}-{precision}", rule=rule)
             if calibration is not None:
                 self._calibrations[model] = calibration  # the curve and its choice, shown even when not used
             if self.batch == "auto":
