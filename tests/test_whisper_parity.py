@@ -27,23 +27,24 @@ def test_token_parity_with_faster_whisper(model_name, request, speech, faster_wh
     loaded = request.getfixturevalue("tiny" if model_name == "whisper-tiny.en" else "base")
     ours = WhisperReference(loaded)
     theirs = faster_whisper(model_name)
+    runs = {}
     for name in ("fox", "report", "budget", "long"):
         # Fixed 30-s windows: faster-whisper's sequential run as it comes.
-        transcript = transcribe_file(ours, speech[name], windowing="fixed")
+        transcript = runs[name, "fixed"] = transcribe_file(ours, speech[name], windowing="fixed")
         expected, language = _faster_whisper_tokens(theirs, speech[name])
         got = [t for s in transcript.segments for t in s.tokens]
         assert got == expected, f"{model_name} differs from faster-whisper on {name} (fixed windows)"
         assert transcript.language == language == "en"
         # Voice-activity windows (the default): faster-whisper given the same windows as its clips.
-        transcript = transcribe_file(ours, speech[name])
+        transcript = runs[name, "vad"] = transcribe_file(ours, speech[name])
         expected, _ = _faster_whisper_tokens(theirs, speech[name], same_windows=True)
         got = [t for s in transcript.segments for t in s.tokens]
         assert got == expected, f"{model_name} differs from faster-whisper on {name} (voice-activity windows)"
-    long = transcribe_file(ours, speech["long"], windowing="fixed")
+    long = runs["long", "fixed"]
     assert len(long.segments) == 2 and long.segments[1].start == 30.0
     assert long.segments[-1].end <= long.duration
     assert "finance" in _words(long.text)
-    by_vad = transcribe_file(ours, speech["long"])
+    by_vad = runs["long", "vad"]
     first, second = by_vad.segments  # two windows, cut in a pause the voice activity found
     assert first.end <= second.start and all(s.end - s.start <= 30.0 for s in by_vad.segments)
     assert 20.0 < second.start < long.duration - 1.0
