@@ -44,10 +44,12 @@ class AudioService:
 
     def recover(self) -> None:
         """A server that stopped mid-transcription left its jobs unfinished and its uploads behind: the jobs
-        of servers no longer running are marked failed and their uploads removed."""
+        of servers no longer running are marked failed and their uploads removed. Run as this server starts, so a
+        job naming this very process is an earlier server's that had the same id (a container restarted: the
+        server is process 1 every time), never this one's."""
         for job in self.jobs.unfinished():
             pid = job.options.get("server_pid")
-            if pid != os.getpid() and not _running(pid):
+            if pid == os.getpid() or not _running(pid):
                 self.jobs.failed(job.id, "The server stopped before this transcription finished.")
                 shutil.rmtree(Path(job.path).parent, ignore_errors=True)
 

@@ -25,10 +25,10 @@ def status(url: str, data: bytes | None = None, headers: dict | None = None) -> 
         return 0
 
 
-def start_server(tmp_path_factory, key: str, *flags: str):
-    """`cadence serve --port 0` with its own data folder and API key, once /health says its models are loaded:
-    (process, base URL, the lines of its stderr so far and to come)."""
-    env = dict(os.environ, CADENCE_DATA_DIR=str(tmp_path_factory.mktemp("serve-data")))
+def start_server(tmp_path_factory, key: str, *flags: str, data=None):
+    """`cadence serve --port 0` with its own data folder (``data``, or a new one) and API key, once /health says its
+    models are loaded: (process, base URL, the lines of its stderr so far and to come)."""
+    env = dict(os.environ, CADENCE_DATA_DIR=str(data or tmp_path_factory.mktemp("serve-data")))
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", "0", "--api-key", key, *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     lines: list[str] = []
