@@ -28,11 +28,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.server_common import ApiError, refuse_if_longer
+from app.server_limits import DEFAULT_MAX_AUDIO_MB, DEFAULT_MAX_WAITING
 from engine.errors import CadenceError, RequestError
 
 MAX_BODY_BYTES = 4 << 20  # a chat request far larger than any context a model here takes
-DEFAULT_MAX_WAITING = 256  # requests waiting for a slot before new ones are turned away (429)
-DEFAULT_MAX_AUDIO_MB = 512  # an upload to transcribe: an hour of 44.1 kHz stereo WAV is about 635 MB
 ROLES = ("system", "developer", "user", "assistant")
 
 

@@ -14,7 +14,7 @@ DEFAULT_PORT = 8000
 def add_parser(sub, backends) -> None:
     from engine.models import DEFAULT_CHAT, DEFAULT_WHISPER
 
-    from app.server import DEFAULT_MAX_AUDIO_MB, DEFAULT_MAX_WAITING
+    from app.server_limits import DEFAULT_MAX_AUDIO_MB, DEFAULT_MAX_WAITING
 
     p = sub.add_parser("serve", help="serve the engine over an OpenAI-compatible HTTP API (127.0.0.1 unless told)")
     p.add_argument("--host", default="127.0.0.1",
