@@ -117,3 +117,20 @@ def click_link(qtbot, browser, href: str) -> None:
             it += 1
         block = block.next()
     raise AssertionError(f"no link to {href} in the document")
+
+
+def chat_equals_servers_answer(qtbot, window, client, model: str, prompt: str, max_tokens: int):
+    """A new chat sent from the window's Chats tab (greedy, ``max_tokens``), streamed through the server the window
+    is set to and stored, equals the server's own greedy answer asked directly with ``client`` (an openai client):
+    (the stored answer, the server's direct completion), for the caller's further checks."""
+    chats = window.chats
+    conversation_id = chats.new_chat()
+    assert chats.apply_settings(params=short_params(max_tokens))
+    assert chats.send(prompt), chats.error.text()
+    wait_answers(qtbot, window, timeout=300)
+    answer = window.bridge.conversations.get(conversation_id).messages[-1]
+    direct = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=max_tokens, temperature=0)
+    assert answer.state == "complete" and answer.content == direct.choices[0].message.content, \
+        (answer.state, answer.error, answer.content, direct.choices[0].message.content)
+    return answer, direct

@@ -7,6 +7,7 @@ and marked failed; *Test connection* answers in one sentence; the engine panel d
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -15,7 +16,8 @@ import time
 import pytest
 from PySide6.QtCore import Qt
 from serving import start_server, status
-from app_support import app_home, open_window, short_params, wait_answers, wait_jobs_settled, drop_files  # noqa: F401
+from app_support import (app_home, chat_equals_servers_answer, drop_files, open_window, row_texts,  # noqa: F401
+                         short_params, wait_answers, wait_jobs_settled)
 
 # The tests never touch a person's keyring: keyring's own setting names the backend that has none (as on CI),
 # so the key is kept for the session only, which is what the panel must then say.
@@ -114,15 +116,7 @@ def test_settings_switch_to_a_server_and_chats_transcripts_and_exports_equal_its
 
     # A chat: streamed through the server, stored, shown; its text is the server's own greedy answer.
     chats = window.chats
-    conversation_id = chats.new_chat()
-    assert chats.apply_settings(params=short_params(24))
-    assert chats.send("What is the capital of France?"), chats.error.text()
-    wait_answers(qtbot, window, timeout=300)
-    answer = window.bridge.conversations.get(conversation_id).messages[-1]
-    want = client.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": "What is the capital of "
-                                                                                           "France?"}],
-                                          max_tokens=24, temperature=0)
-    assert answer.state == "complete" and answer.content == want.choices[0].message.content
+    answer, want = chat_equals_servers_answer(qtbot, window, client, CHAT, "What is the capital of France?", 24)
     assert answer.stats["tokens"] == want.usage.completion_tokens and answer.stats["server"] == server + "/v1"
     shown = chats.rendered_text()
     assert "Paris" in shown and "tok/s" in shown and "writing" not in shown
@@ -282,7 +276,10 @@ def test_stop_keeps_a_servers_answer_as_stopped(qtbot, app_home, server):  # noq
 
 
 # ---------------------------------------------------------------------------- a server that dies
-def test_a_server_killed_mid_answer_leaves_the_partial_answer_stored_and_marked(qtbot, app_home, tmp_path_factory):  # noqa: F811
+def test_a_server_killed_mid_answer_leaves_the_partial_answer_stored_and_marked(qtbot, app_home, tmp_path_factory,  # noqa: F811
+                                                                              speech, caplog):
+    """...and a file queued once the server is gone is tried again by the client, then fails with one sentence,
+    shown in its row."""
     proc, url, _ = _start_server(tmp_path_factory, "--whisper-model", "none")
     try:
         window = _server_window(qtbot, app_home, url)
@@ -310,6 +307,24 @@ def test_a_server_killed_mid_answer_leaves_the_partial_answer_stored_and_marked(
         window.tabs.setCurrentWidget(window.engine_panel)
         qtbot.waitUntil(lambda: "could not be reached" in window.engine_panel.server_info.text(), timeout=30000)
         assert _one_sentence(window.engine_panel.server_info.text())
+
+        # A file dropped on the queue now: its upload is tried again as often as the client retries (RETRIES), then
+        # the job fails with one sentence, and its row shows that sentence.
+        from app.queue_view import FILE, MESSAGE, STATE
+        from engine.remote import RETRIES
+
+        caplog.clear()
+        caplog.set_level(logging.INFO, logger="openai")
+        window.tabs.setCurrentIndex(0)  # Transcribe
+        drop_files(window.queue, [speech["fox"]])
+        wait_jobs_settled(qtbot, window, timeout=120)
+        [job] = window.bridge.jobs.list()
+        assert job.state == "failed" and "could not be reached" in job.error and _one_sentence(job.error), job
+        retries = [r.getMessage() for r in caplog.records
+                   if r.threadName.startswith("cadence-remote") and r.getMessage().startswith("Retrying request in ")]
+        assert [m.split("(")[-1] for m in retries] == [f"retry {i} of {RETRIES})" for i in range(1, RETRIES + 1)]
+        [row] = [r for r in row_texts(window.queue.table) if r[FILE] == "fox.wav"]
+        assert row[STATE] == "Failed" and row[MESSAGE] == job.error, row
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -331,16 +346,8 @@ def test_llama_cpp_python_server_chats_and_the_panel_says_what_it_does_not_repor
         qtbot.waitUntil(lambda: window.engine_panel.server_info.text() == (
             "This server does not report step time, calibration, precision, its slots (it has no /slots) or its "
             "metrics (it has no /metrics)."), timeout=30000)
-        chats = window.chats
-        conversation_id = chats.new_chat()
-        assert chats.apply_settings(params=short_params(12))
-        assert chats.send("What is the capital of France?"), chats.error.text()
-        wait_answers(qtbot, window, timeout=300)
-        answer = window.bridge.conversations.get(conversation_id).messages[-1]
-        direct = OpenAI(base_url=server.api, api_key="none", max_retries=0, timeout=300).chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=12,
-            temperature=0)
-        assert answer.state == "complete" and answer.content == direct.choices[0].message.content
+        direct = OpenAI(base_url=server.api, api_key="none", max_retries=0, timeout=300)
+        chat_equals_servers_answer(qtbot, window, direct, "smollm2", "What is the capital of France?", 12)
 
 
 def test_vllm_and_llama_cpp_metrics_are_read_by_their_own_names():
