@@ -51,7 +51,9 @@ class AudioService:
             pid = job.options.get("server_pid")
             if pid == os.getpid() or not _running(pid):
                 self.jobs.failed(job.id, "The server stopped before this transcription finished.")
-                shutil.rmtree(Path(job.path).parent, ignore_errors=True)
+                folder = Path(job.path).parent
+                if folder.parent.resolve() == self.uploads.resolve():  # only an upload's own folder is removed
+                    shutil.rmtree(folder, ignore_errors=True)
 
     def model_for(self, name) -> str:
         if not isinstance(name, str) or not name:

@@ -101,12 +101,19 @@ def test_a_job_left_by_an_earlier_server_with_this_servers_process_id_is_recover
     jobs = JobStore(folder / "jobs.sqlite")
     job_id = jobs.create(upload, WHISPER, {"format": "json", "task": "transcribe", "server_pid": os.getpid()})
     jobs.started(job_id, 1, "en", 3.0, spans=[[0, 300]])
+    # A job whose file lies outside the uploads (a damaged or hand-edited store) is failed, but its folder is
+    # not the server's to delete.
+    elsewhere = tmp_path / "someone-elses" / "notes.wav"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(b"RIFF")
+    outside_id = jobs.create(elsewhere, WHISPER, {"format": "json", "task": "transcribe", "server_pid": os.getpid()})
 
     AudioService(None, [WHISPER], 1 << 20, folder)  # the audio part of a server starting on this folder
 
     job = jobs.get(job_id)
     assert (job.state, job.error) == ("failed", STOPPED)
     assert not upload.parent.exists() and (folder / "uploads").is_dir()
+    assert jobs.get(outside_id).state == "failed" and elsewhere.exists()
 
 
 def test_requests_beyond_the_queue_limit_are_turned_away_and_clients_that_wait_as_told_get_answers(
