@@ -42,13 +42,25 @@ def test_models_json():
 
 
 # ---------------------------------------------------------------- transcribe
-def test_transcribe_json_schema_and_partial_failure(speech, tmp_path, tiny):
-    garbage = tmp_path / "noise.wav"
+BATCHED = ("fox", "report", "budget")  # compared with --batch off, in input order
+
+
+@pytest.fixture(scope="module")
+def batched_run(speech, tmp_path_factory, tiny):
+    """One process transcribing, at width 4, three short clips, a damaged file and the long clip (two
+    windows): its JSON serves the schema, partial-failure, batched-equals-serial and timed-phrases
+    tests, which each used to start a process (about 7 CPU s of imports and loading apiece) of their own."""
+    garbage = tmp_path_factory.mktemp("garbage") / "noise.wav"
     garbage.write_bytes(b"RIFF" + bytes(1000))
-    proc = cadence("transcribe", str(speech["fox"]), str(garbage), str(speech["report"]), "--json", check_rc=1)
+    files = [str(speech["fox"]), str(garbage), str(speech["report"]), str(speech["budget"]), str(speech["long"])]
+    proc = cadence("transcribe", *files, "--json", "--batch", "4", check_rc=1)
     results = json.loads(proc.stdout)
-    assert [r["file"] for r in results] == [str(speech["fox"]), str(garbage), str(speech["report"])]
-    good, bad, good2 = results
+    assert [r["file"] for r in results] == files  # in input order
+    return dict(zip(["fox", "garbage", "report", "budget", "long"], results))
+
+
+def test_transcribe_json_schema_and_partial_failure(batched_run):
+    good, bad, good2 = batched_run["fox"], batched_run["garbage"], batched_run["report"]
     assert set(good) >= {"file", "text", "language", "segments", "stats", "model", "job"}
     assert good["language"] == "en" and "fox" in good["text"].lower()
     assert good["model"] == "whisper-tiny.en"
@@ -58,8 +70,8 @@ def test_transcribe_json_schema_and_partial_failure(speech, tmp_path, tiny):
     assert "finance" in good2["text"].lower()
 
 
-def test_transcribe_times_phrases_unless_told_not_to(speech, tiny):
-    [timed] = json.loads(cadence("transcribe", str(speech["long"]), "--json", check_rc=0).stdout)
+def test_transcribe_times_phrases_unless_told_not_to(speech, batched_run):
+    timed = batched_run["long"]
     [windows] = json.loads(cadence("transcribe", str(speech["long"]), "--json", "--no-timestamps", check_rc=0).stdout)
     spans = [s["end"] - s["start"] for s in timed["segments"]]
     assert len(spans) >= 6 and max(spans) < 15.0  # phrases of a few seconds (about 45 s of speech)
@@ -67,19 +79,13 @@ def test_transcribe_times_phrases_unless_told_not_to(speech, tiny):
     assert "finance" in timed["text"].lower() and "finance" in windows["text"].lower()
 
 
-def _transcripts(speech, *flags):
-    files = [str(speech[n]) for n in ("fox", "report", "budget")]
-    proc = cadence("transcribe", *files, "--json", *flags, check_rc=0)
-    results = json.loads(proc.stdout)
-    assert [r["file"] for r in results] == files
-    return results
-
-
-def test_transcribe_batched_equals_batch_off_in_input_order(speech, tiny):
-    batched = _transcripts(speech, "--batch", "4")
+def test_transcribe_batched_equals_batch_off_in_input_order(speech, batched_run):
+    batched = [batched_run[n] for n in BATCHED]
     for result, word in zip(batched, ("fox", "report", "week")):
         assert word in result["text"].lower(), result["text"]
-    serial = _transcripts(speech, "--batch", "off")
+    files = [str(speech[n]) for n in BATCHED]
+    serial = json.loads(cadence("transcribe", *files, "--json", "--batch", "off", check_rc=0).stdout)
+    assert [r["file"] for r in serial] == files
     # Segments carry no token ids in the JSON, so compare what does: texts, segments and token counts.
     for b, s in zip(batched, serial):
         assert b["text"] == s["text"]
@@ -118,29 +124,36 @@ def test_transcribe_writes_files_and_refuses_to_overwrite(speech, tmp_path, tiny
 # ---------------------------------------------------------------- chat
 @pytest.fixture(scope="module")
 def serial_answers(smollm):
-    """Each prompt alone, greedy, on the exact single-stream path: the first as a PROMPT (the answer's
-    JSON object), the others from a prompts file, which one slot answers one after another."""
-    first = json.loads(cadence("chat", PROMPTS[0], "--json", "--max-tokens", "12", "--batch", "off", check_rc=0).stdout)
-    rest = cadence("chat", "--prompts", "-", "--json", "--max-tokens", "12", "--batch", "off", check_rc=0,
-                   stdin="\n".join(PROMPTS[1:]) + "\n")
-    return [first, *json.loads(rest.stdout)]
+    """Each prompt alone, greedy, on the exact single-stream path: from a prompts file, which one slot
+    answers one after another."""
+    proc = cadence("chat", "--prompts", "-", "--json", "--max-tokens", "12", "--batch", "off", check_rc=0,
+                   stdin="\n".join(PROMPTS) + "\n")
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def stopped_answer(smollm):
+    """A PROMPT's answer (one JSON object), ended by a stop string."""
+    proc = cadence("chat", PROMPTS[2], "--json", "--max-tokens", "24", "--stop", "3.", "--stop", "ten", check_rc=0)
+    return json.loads(proc.stdout)
 
 
 CHAT_KEYS = {"conversation_id", "user_message_id", "message_id", "text", "tokens", "finish_reason", "stats"}
 
 
-def test_chat_json_schema(serial_answers):
-    result = serial_answers[0]
-    assert set(result) == CHAT_KEYS
-    assert "Paris" in result["text"]
-    assert result["finish_reason"] in ("stop", "length")
-    assert all(isinstance(t, int) for t in result["tokens"])
-    stats = result["stats"]
-    assert {"prompt_tokens", "tokens", "seconds", "time_to_first_token", "tok_s", "model", "finish_reason",
-            "dropped_turns"} <= set(stats)
-    assert stats["dropped_turns"] == 0
-    assert stats["tokens"] == len(result["tokens"]) and stats["tok_s"] > 0
-    assert stats["model"] == "smollm2-135m-instruct" and stats["finish_reason"] == result["finish_reason"]
+def test_chat_json_schema(serial_answers, stopped_answer):
+    assert isinstance(stopped_answer, dict) and isinstance(serial_answers, list)
+    for result in [stopped_answer, *serial_answers]:  # a PROMPT's object, and each of a prompts file's list
+        assert set(result) == CHAT_KEYS
+        assert result["finish_reason"] in ("stop", "length")
+        assert all(isinstance(t, int) for t in result["tokens"])
+        stats = result["stats"]
+        assert {"prompt_tokens", "tokens", "seconds", "time_to_first_token", "tok_s", "model", "finish_reason",
+                "dropped_turns"} <= set(stats)
+        assert stats["dropped_turns"] == 0
+        assert stats["tokens"] == len(result["tokens"]) and stats["tok_s"] > 0
+        assert stats["model"] == "smollm2-135m-instruct" and stats["finish_reason"] == result["finish_reason"]
+    assert "Paris" in serial_answers[0]["text"]
 
 
 def test_chat_prompts_file_equals_each_prompt_alone(serial_answers, tmp_path):
@@ -158,9 +171,8 @@ def test_chat_prompts_file_equals_each_prompt_alone(serial_answers, tmp_path):
     assert "Paris" in answers[0]["text"]
 
 
-def test_chat_stop_string_ends_the_answer(serial_answers):
-    proc = cadence("chat", PROMPTS[2], "--json", "--max-tokens", "24", "--stop", "3.", "--stop", "ten", check_rc=0)
-    result = json.loads(proc.stdout)
+def test_chat_stop_string_ends_the_answer(serial_answers, stopped_answer):
+    result = stopped_answer
     assert result["finish_reason"] == "stop" and result["stats"]["finish_reason"] == "stop"
     assert "2." in result["text"] and "3." not in result["text"]
     assert serial_answers[2]["text"].startswith(result["text"])  # the same answer, cut before "3."
@@ -176,12 +188,6 @@ def test_chat_streams_answers_with_headers_from_stdin(serial_answers):
     assert "2." in answer and not answer.endswith("3") and "3." not in answer
     assert serial_answers[2]["text"].startswith(answer)
     assert "tok/s" in proc.stderr and "2 of 2 prompts answered" in proc.stderr
-
-
-def test_chat_streams_to_terminal(smollm):
-    proc = cadence("chat", "Say hello.", "--max-tokens", "8", check_rc=0)
-    assert proc.stdout.strip() and "###" not in proc.stdout
-    assert "tok/s" in proc.stderr
 
 
 def test_ctrl_c_cancels_and_exits_130(smollm, tmp_path):
@@ -218,14 +224,15 @@ def _rows(data_dir):
         db.close()
 
 
-def test_chat_is_stored_continued_listed_and_exported(tmp_path, smollm):
+def test_chat_streams_to_terminal_is_stored_continued_listed_and_exported(tmp_path, smollm):
     first = json.loads(cadence("chat", "My name is Ada.", "--json", "--max-tokens", "8", "--system", "Be brief.",
                                data_dir=tmp_path, check_rc=0).stdout)
     cid = first["conversation_id"]
     proc = cadence("chat", "What is my name?", "--conversation", str(cid), "--max-tokens", "6", "--top-k", "3",
                    data_dir=tmp_path, check_rc=0)
     streamed = proc.stdout.rstrip("\n")
-    assert streamed  # streamed to the terminal, and stored
+    # A PROMPT without --json streams its answer to the terminal, without headers, speed on stderr; and stored.
+    assert streamed and "###" not in proc.stdout and "tok/s" in proc.stderr
     rows = json.loads(cadence("chat", "--list", "--json", data_dir=tmp_path, check_rc=0).stdout)
     assert [(r["id"], r["title"], r["model"], r["messages"]) for r in rows] == [
         (cid, "My name is Ada.", "smollm2-135m-instruct", 4)]
@@ -244,8 +251,16 @@ def test_chat_is_stored_continued_listed_and_exported(tmp_path, smollm):
 
 
 def test_chat_bad_input_is_one_sentence_and_stores_nothing(tmp_path, smollm):
-    cadence("chat", "Hello.", "--max-tokens", "2", data_dir=tmp_path, check_rc=0)
+    # In a prompts file a bad prompt fails alone (status 1); the other is answered and stored. (Into an empty
+    # store: it makes the conversation 1 that the cases below refer to.)
+    proc = cadence("chat", "--prompts", "-", "--json", "--max-tokens", "2", stdin="x" * 2**20 + "\nSay hi.\n",
+                   data_dir=tmp_path, check_rc=1)
+    bad, good = json.loads(proc.stdout)
+    assert bad == {"error": "The message is 1,048,576 characters long; a message can have at most 100,000."}
+    assert set(good) == CHAT_KEYS
     before = _rows(tmp_path)
+    assert [row[0] for row in before["conversations"]] == [good["conversation_id"]] == [1]
+    assert len(before["messages"]) == 2  # the good prompt and its answer; nothing of the bad one
     for args, words in [
         (["chat", "hi", "--conversation", "99"], "There is no conversation 99."),
         (["chat", ""], "The message is empty."),
@@ -266,16 +281,6 @@ def test_chat_bad_input_is_one_sentence_and_stores_nothing(tmp_path, smollm):
     budget = re.search(r"tokens, more than the (\d+) this model takes", proc.stderr)
     assert budget and int(budget.group(1)) < 2048 and proc.stdout == "" and "Traceback" not in proc.stderr
     assert _rows(tmp_path) == before
-    # In a prompts file a bad prompt fails alone (status 1); the others are answered and stored.
-    proc = cadence("chat", "--prompts", "-", "--json", "--max-tokens", "2", stdin="x" * 2**20 + "\nSay hi.\n",
-                   data_dir=tmp_path, check_rc=1)
-    bad, good = json.loads(proc.stdout)
-    assert bad == {"error": "The message is 1,048,576 characters long; a message can have at most 100,000."}
-    assert set(good) == CHAT_KEYS
-    after = _rows(tmp_path)
-    assert after["conversations"][:-1] == before["conversations"] and len(after["conversations"]) == 2
-    assert after["messages"][: len(before["messages"])] == before["messages"]
-    assert len(after["messages"]) == len(before["messages"]) + 2
 
 
 # ---------------------------------------------------------------- usage errors
