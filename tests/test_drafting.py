@@ -65,6 +65,15 @@ def drafting_engine(request):
     eng.shutdown()
 
 
+def _reference(reference_answers, prompt, max_tokens):
+    """The reference's greedy answer to ``prompt`` in at most ``max_tokens`` (<= MAX_TOKENS) tokens: the first
+    tokens of the module's answer, since greedy decoding picks each token from what precedes it alone (and a
+    stop token ends both the same)."""
+    assert max_tokens <= MAX_TOKENS
+    ids, want = reference_answers[prompt]
+    return ids, want[:max_tokens]
+
+
 def _ask(engine, prompt, params=None):
     return engine.submit(ChatRequest(prompt, params=params or SamplingParams(max_tokens=MAX_TOKENS)))
 
@@ -248,22 +257,24 @@ def _run_lane(smollm, chat_ref, drafter, prompts, depth=3):
     return lane, seqs
 
 
-def test_an_always_wrong_drafter_costs_speed_never_correctness(smollm, chat_ref):
+def test_an_always_wrong_drafter_costs_speed_never_correctness(smollm, chat_ref, reference_answers):
     lane, seqs = _run_lane(smollm, chat_ref, _WrongDrafter(), PROMPTS[2:6])
-    for ids, seq in seqs:
-        want = chat_ref.generate(ids, SamplingParams(max_tokens=32)).tokens
+    for p, (ids, seq) in zip(PROMPTS[2:6], seqs):
+        ref_ids, want = _reference(reference_answers, p, 32)
+        assert ref_ids == ids
         assert_same_or_near_tie(chat_ref, ids, seq.tokens, want)
     assert lane.draft_counts.drafted > 50
     assert lane.draft_counts.accepted <= 2
 
 
-def test_a_failing_drafter_turns_drafting_off_and_the_lane_keeps_serving(smollm, chat_ref):
+def test_a_failing_drafter_turns_drafting_off_and_the_lane_keeps_serving(smollm, chat_ref, reference_answers):
     lane, seqs = _run_lane(smollm, chat_ref, _BrokenDrafter(), PROMPTS[4:6])
     assert lane.drafter is None
     assert lane.drafting_state.startswith("off: the broken drafter failed (RuntimeError: the draft head's file")
-    for ids, seq in seqs:
+    for p, (ids, seq) in zip(PROMPTS[4:6], seqs):
         assert seq.finish_reason in ("stop", "length")
-        want = chat_ref.generate(ids, SamplingParams(max_tokens=32)).tokens
+        ref_ids, want = _reference(reference_answers, p, 32)
+        assert ref_ids == ids
         assert_same_or_near_tie(chat_ref, ids, seq.tokens, want)
 
 
@@ -376,7 +387,8 @@ def _verifications(log):
     return sum(1 for line in log.read_text().splitlines() if json.loads(line)["drafted"])
 
 
-def test_running_out_of_memory_while_verifying_turns_drafting_off_and_redoes_the_step(smollm, chat_ref, caplog):
+def test_running_out_of_memory_while_verifying_turns_drafting_off_and_redoes_the_step(smollm, chat_ref, caplog,
+                                                                                       reference_answers):
     """Verification rows are what a lane adds by drafting: when they do not fit, the step runs again without them."""
 
     class _TightDecoder(LlamaBatched):
@@ -396,7 +408,8 @@ def test_running_out_of_memory_while_verifying_turns_drafting_off_and_redoes_the
         lane.run_until_idle()
     assert lane.drafting_state == "off: the device ran out of memory while verifying drafts"
     assert "Drafting is off on lane tight" in caplog.text
-    want = chat_ref.generate(ids, SamplingParams(max_tokens=32)).tokens
+    ref_ids, want = _reference(reference_answers, PROMPTS[1], 32)
+    assert ref_ids == ids
     assert_same_or_near_tie(chat_ref, ids, seq.tokens, want)
 
 
