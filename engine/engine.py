@@ -45,6 +45,9 @@ def _recent_rate(stamps: list[float], last: int = 16) -> float | None:
     return round((len(recent) - 1) / (recent[-1] - recent[0]), 1)
 
 
+COMMAND_BUDGET_S = 0.05  # at most this long handling commands between two steps while decoding
+
+
 # ---------------------------------------------------------------------------- the engine
 class Engine:
     """``batch``: 'auto' (calibrated width per model and device), 'off' (the exact single-stream
@@ -290,36 +293,55 @@ class Engine:
     def _serve(self) -> None:
         while True:
             busy = any(lane.busy for lane in self._lanes.values())
-            try:  # wait for a command when idle; only peek while decoding
-                command, handle = self._commands.get(block=not busy)
-            except queue.Empty:
-                command = None
-            if command == "stop":
-                for seqs in list(self._work.values()):
-                    if seqs:
-                        seqs[0].handle.fail("The engine was shut down.")
+            if not self._take_commands(block=not busy):
                 return
-            if command == "log":
-                if self._step_log is not None:
-                    self._step_log.close()
-                self._step_log = handle  # the new file, or None
-            elif command == "submit":
-                self._start(handle)
-            elif command == "planned":
-                self._planned(*handle)
-            elif command == "call":  # work handed back to the engine thread (speakers told apart)
-                handle()
-            elif command == "live":  # a live recording's closed windows
-                self._live_windows(*handle)
-            elif command == "cancel":
-                for seq in self._work.get(handle.id, []):
-                    seq.cancelled = True
             busy_lanes = [lane for lane in self._lanes.values() if lane.busy]
             for lane in busy_lanes:
                 try:
                     lane.step(shared=len(busy_lanes) > 1)
                 except Exception as exc:  # a fault fails that lane's requests, not the engine
                     self._fail_lane(lane, exc)
+
+    def _take_commands(self, block: bool) -> bool:
+        """Handle the commands waiting between two steps (waiting for the first when idle): all of them, up
+        to COMMAND_BUDGET_S, so requests that arrive together join the same step rather than one per step
+        (64 clients of a server at once: the last had waited 63 steps, over 20 s, for its first token).
+        False once told to stop."""
+        deadline = None
+        while True:
+            try:
+                command, handle = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            if not self._command(command, handle):
+                return False
+            block = False
+            deadline = deadline or time.perf_counter() + COMMAND_BUDGET_S
+            if time.perf_counter() >= deadline:
+                return True
+
+    def _command(self, command, handle) -> bool:
+        if command == "stop":
+            for seqs in list(self._work.values()):
+                if seqs:
+                    seqs[0].handle.fail("The engine was shut down.")
+            return False
+        if command == "log":
+            if self._step_log is not None:
+                self._step_log.close()
+            self._step_log = handle  # the new file, or None
+        elif command == "submit":
+            self._start(handle)
+        elif command == "planned":
+            self._planned(*handle)
+        elif command == "call":  # work handed back to the engine thread (speakers told apart)
+            handle()
+        elif command == "live":  # a live recording's closed windows
+            self._live_windows(*handle)
+        elif command == "cancel":
+            for seq in self._work.get(handle.id, []):
+                seq.cancelled = True
+        return True
 
     def _fail_lane(self, lane, exc: Exception) -> None:
         message = (f"The engine failed while decoding ({exc.__class__.__name__}: {exc}); "
