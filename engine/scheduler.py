@@ -36,6 +36,7 @@ from engine.errors import record_fault
 from engine.picking import TokenPicker
 from engine.sampling import SamplingParams
 from engine.seam import BatchedDecoder, StepBatch
+from engine.step_stats import LaneCounters, StepRecord
 
 if TYPE_CHECKING:
     from engine.whisper.window import WindowState
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 64  # prompt rows a joining sequence feeds per step, so running slots keep moving
+PREFILL_BUDGET = 512  # prompt rows a whole step feeds (beyond one chunk): many joining at once take turns
 PREPARE_BUDGET_MS = 1000.0  # a lane alone prepares joining sequences for up to this long before a step
 
 
@@ -112,72 +114,6 @@ class Sequence:
             "tokens": len(self.tokens),
             "drafting": self.draft_counts.to_json(),
         }
-
-
-@dataclass
-class StepRecord:
-    """What one step did; one line of the step log (CADENCE_STEP_STATS)."""
-
-    lane: str
-    step: int
-    width: int
-    slots: int  # sequences in this forward pass
-    rows: int  # rows in this forward pass (decode rows + prompt chunks)
-    prefill_rows: int  # of which prompt rows
-    step_ms: float  # the forward pass and the token choices
-    prepare_ms: float  # joining sequences' preparation run in this step (Whisper's encoder)
-    preparing: int  # sequences still preparing after this step
-    waiting: int  # sequences queued for a slot
-    tokens: dict[int, int]  # slot -> tokens emitted
-    context: dict[int, int]  # slot -> positions in its cache
-    draft_ms: float = 0.0  # the drafter's proposals for this step
-    drafted: dict[int, int] = field(default_factory=dict)  # slot -> draft tokens checked
-    accepted: dict[int, int] = field(default_factory=dict)  # slot -> of which accepted
-
-    def to_json(self) -> dict:
-        return {"lane": self.lane, "step": self.step, "width": self.width, "slots": self.slots, "rows": self.rows,
-                "prefill_rows": self.prefill_rows, "step_ms": round(self.step_ms, 3),
-                "prepare_ms": round(self.prepare_ms, 3), "preparing": self.preparing, "waiting": self.waiting,
-                "tokens": {str(k): v for k, v in self.tokens.items()},
-                "context": {str(k): v for k, v in self.context.items()}, "draft_ms": round(self.draft_ms, 3),
-                "drafted": {str(k): v for k, v in self.drafted.items()},
-                "accepted": {str(k): v for k, v in self.accepted.items()}}
-
-
-@dataclass
-class LaneCounters:
-    """Running totals for a lane, cheap to read from any thread."""
-
-    steps: int = 0
-    busy_slot_steps: int = 0  # sum over steps of sequences in the forward pass
-    rows: int = 0
-    tokens: int = 0
-    step_ms_total: float = 0.0
-    step_ms_max: float = 0.0
-    prepare_ms_total: float = 0.0
-    prepare_ms_max: float = 0.0
-    last_step_ms: float = 0.0
-    draft_ms_total: float = 0.0
-
-    def add(self, record: StepRecord) -> None:
-        self.steps += 1
-        self.busy_slot_steps += record.slots
-        self.rows += record.rows
-        self.tokens += sum(record.tokens.values())
-        self.step_ms_total += record.step_ms
-        self.step_ms_max = max(self.step_ms_max, record.step_ms)
-        self.prepare_ms_total += record.prepare_ms
-        self.prepare_ms_max = max(self.prepare_ms_max, record.prepare_ms)
-        self.last_step_ms = record.step_ms
-        self.draft_ms_total += record.draft_ms
-
-    def to_json(self) -> dict:
-        n = max(self.steps, 1)
-        return {"steps": self.steps, "tokens": self.tokens, "rows": self.rows,
-                "mean_busy_slots": round(self.busy_slot_steps / n, 3),
-                "mean_step_ms": round(self.step_ms_total / n, 3), "max_step_ms": round(self.step_ms_max, 3),
-                "last_step_ms": round(self.last_step_ms, 3), "prepare_ms_total": round(self.prepare_ms_total, 3),
-                "max_prepare_ms": round(self.prepare_ms_max, 3), "draft_ms_total": round(self.draft_ms_total, 3)}
 
 
 class Lane:
@@ -395,7 +331,7 @@ class Lane:
         t_prepare = time.perf_counter()
         self._prepare(shared)
         prepare_ms = (time.perf_counter() - t_prepare) * 1000
-        active = [s for s in self.slots if s is not None and s.preparing is None]
+        active = self._within_prefill_budget([s for s in self.slots if s is not None and s.preparing is None])
         if not active:
             return None
         drafts, draft_ms, levels = self._draft(active)
@@ -408,6 +344,20 @@ class Lane:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             return self._run(active, {}, prepare_ms, 0.0, 0)
+
+    @staticmethod
+    def _within_prefill_budget(ready: list[Sequence]) -> list[Sequence]:
+        """The ready sequences that take part in this step: every decoding one, and prompts as far as
+        PREFILL_BUDGET rows go (at least one), earliest joined first; the others wait a step in their
+        slots, so a crowd of prompts arriving together does not stall the running slots for seconds."""
+        budget, chosen = PREFILL_BUDGET, set()
+        for seq in sorted((s for s in ready if s.prefilling), key=lambda s: s.t_join or 0.0):
+            rows = min(PREFILL_CHUNK, len(seq.prompt) - seq.fed)
+            if chosen and rows > budget:
+                break
+            chosen.add(id(seq))
+            budget -= rows
+        return [s for s in ready if not s.prefilling or id(s) in chosen]
 
     def _run(self, active: list[Sequence], drafts: dict[int, list[int]], prepare_ms: float, draft_ms: float,
              levels: int) -> StepRecord:

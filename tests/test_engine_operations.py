@@ -161,6 +161,26 @@ def test_step_log_and_counters_agree_with_the_results(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_prompts_joining_together_take_turns_within_the_prefill_budget(tmp_path, monkeypatch):
+    """With a budget below two prompts, three chats sent together prefill one per step (earliest first) while
+    those already reading decode beside them; every step stays within the budget (or one chunk)."""
+    from engine import scheduler
+
+    monkeypatch.setattr(scheduler, "PREFILL_BUDGET", 40)
+    log = tmp_path / "steps.jsonl"
+    engine = Engine(backend="cpu", batch=4, step_log=log)
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0)
+        handles = [engine.submit(ChatRequest(p, params=params)) for p in ("Name a bird.", "Name a tree.", "Hi!")]
+        assert all(h.result(300).tokens for h in handles)
+    finally:
+        engine.shutdown()
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert all(0 < r["prefill_rows"] <= 40 for r in lines[:3])  # one prompt (about 30 rows) per step
+    assert [r["slots"] for r in lines[:3]] == [1, 2, 3]  # the ones that have read their prompt decode meanwhile
+    assert all(r["prefill_rows"] == 0 for r in lines[3:])
+
+
 class _Decoder:
     """A stand-in decoder for the lane's bookkeeping test only (the real ones are tested elsewhere)."""
 
