@@ -26,6 +26,10 @@ from bench.analyze_steps import read_log  # noqa: E402
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 
+# float32 throughout: generate and faster-whisper are compared token for token in float32, and the engine's
+# default (precision auto) may pick bfloat16 or int8 on this machine, which gives other tokens.
+PRECISION = "float32"
+
 PROMPTS = [
     "Explain how a bicycle works.", "Write a short story about a lighthouse keeper.",
     "What are the benefits of exercise?", "Describe the water cycle.", "Give me three tips for cooking rice.",
@@ -53,7 +57,7 @@ def chat_table(widths, n_tokens, device):
     print("|---|---|---|---|---|---|")
     for w in widths:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(w)]
-        engine = Engine(backend=device, batch=w)
+        engine = Engine(backend=device, batch=w, precision=PRECISION)
         params = SamplingParams(max_tokens=n_tokens)
         engine.submit(ChatRequest("warm up", params=SamplingParams(max_tokens=4))).result()
         t0 = time.perf_counter()
@@ -96,7 +100,7 @@ def whisper_tables(widths, device):
     for name in ("whisper-tiny.en", "whisper-base"):
         for w in widths:
             log = work / f"{name}-{w}.jsonl"
-            engine = Engine(backend=device, batch=w)
+            engine = Engine(backend=device, batch=w, precision=PRECISION)
             engine.submit(TranscribeRequest(clips[0], model=name, language="en", windowing="fixed")).result()
             engine.log_steps(log)  # the timed run only
             t0 = time.perf_counter()
@@ -179,7 +183,7 @@ def stall_table(width, device):
     print("|---|---|---|---|---|")
     for name in ("whisper-tiny.en", "whisper-base"):
         log = work / f"stall-{name}.jsonl"
-        engine = Engine(backend=device, batch=width)
+        engine = Engine(backend=device, batch=width, precision=PRECISION)
         engine.submit(TranscribeRequest(clips[0], model=name, language="en", windowing="fixed")).result()
         engine.log_steps(log)
         first = engine.submit(TranscribeRequest(clips[0], model=name, language="en"))
@@ -195,7 +199,7 @@ def stall_table(width, device):
         print(f"| {name} | 30-s windows (encoder, layer by layer) | {usual:.1f} | {worst:.1f} | {whole:.0f} |",
               flush=True)
     log = work / "stall-chat.jsonl"
-    engine = Engine(backend=device, batch=width)
+    engine = Engine(backend=device, batch=width, precision=PRECISION)
     engine.submit(ChatRequest("warm up", params=SamplingParams(max_tokens=4))).result()
     engine.log_steps(log)
     runner = engine.submit(ChatRequest(PROMPTS[0], params=SamplingParams(max_tokens=96)))
