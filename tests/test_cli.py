@@ -121,6 +121,27 @@ def test_transcribe_writes_files_and_refuses_to_overwrite(speech, tmp_path, tiny
     assert (out / "fox.vtt").read_text().startswith("WEBVTT")
 
 
+def test_an_existing_output_is_refused_before_an_engine_starts(speech, tmp_path, monkeypatch, capsys):
+    """Nothing to decode: the refusal is one sentence, the file is kept, and no engine (models, calibration) starts."""
+    import engine
+
+    from app.cli import main as cli_main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "fox.txt").write_text("kept")
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was started for a file whose output already exists")
+
+    monkeypatch.setattr(engine, "Engine", no_engine)
+    assert cli_main(["transcribe", str(speech["fox"]), "--out", str(out)]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"{speech['fox']}: {out / 'fox.txt'} already exists (use --overwrite to replace it)."
+    assert lines[-1].startswith("0 of 1 file transcribed")
+    assert (out / "fox.txt").read_text() == "kept"
+
+
 # ---------------------------------------------------------------- chat
 @pytest.fixture(scope="module")
 def serial_answers(smollm):

@@ -108,6 +108,26 @@ class Session:
             self.engine.shutdown()
 
 
+class NoSession:
+    """What a command holds in place of a Session when everything it was given was refused before
+    an engine was needed: nothing started, nothing to shut down."""
+
+    def __init__(self):
+        self.handles: list = []
+
+    def width_note(self, model: str) -> str:
+        return ""
+
+    def elapsed(self) -> float:
+        return 0.0
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        pass
+
+
 def expand_inputs(items: list[str]) -> list[Path]:
     """Files as given; folders expanded recursively to their audio and video files, sorted."""
     out: list[Path] = []

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from app.cli.common import (
+    NoSession,
     Session,
     check_model,
     engine_options,
@@ -129,14 +130,18 @@ def cmd_transcribe(args) -> int:
 
     show_progress = sys.stderr.isatty()
     entries, failed = [], 0
-    with Session(args.backend, batch, engine_opts, server) as session:
+    wanted = []
+    for job_id in ids:  # refuse what cannot be written before an engine starts or anything is decoded
+        job = jobs.get(job_id)
+        target = _target(job, job.options.get("format", fmt))
+        if target is not None and target.exists() and not job.options.get("overwrite"):
+            jobs.failed(job_id, f"{target} already exists (use --overwrite to replace it).")
+        else:
+            wanted.append(job_id)
+    with Session(args.backend, batch, engine_opts, server) if wanted else NoSession() as session:
         handles = {}
-        for job_id in ids:  # refuse what cannot be written before decoding anything
-            job = jobs.get(job_id)
-            target = _target(job, job.options.get("format", fmt))
+        for job_id in wanted:
             try:
-                if target is not None and target.exists() and not job.options.get("overwrite"):
-                    raise CadenceError(f"{target} already exists (use --overwrite to replace it).")
                 handles[job_id] = submit_job(session.engine, jobs, job_id)
                 session.handles.append(handles[job_id])
             except CadenceError as exc:
