@@ -122,17 +122,19 @@ def vllm_folder(converted: Path, out: Path) -> Path:
     return out
 
 
-def vllm_server(folder: Path, name: str, threads: int, context: int = 2048, kv_cache_gb: int = 2,
+def vllm_server(folder: Path, name: str, threads: int, context: int = 2048, kv_cache_gb: float = 2,
                 extra: tuple[str, ...] = ()) -> Server:
     if not VLLM_PYTHON.exists():
         raise RuntimeError(f"{VLLM_PYTHON} is missing: `bash packaging/vllm-venv.sh` builds it.")
     port = free_port()
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb), "OMP_NUM_THREADS": str(threads),
+    # (the KV cache's size as a flag, in bytes: VLLM_CPU_KVCACHE_SPACE takes whole GiB only and overrides the flag)
+    env = {"OMP_NUM_THREADS": str(threads),
            "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_NO_USAGE_STATS": "1",
            "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     return Server("vLLM", [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                            "--served-model-name", name, "--dtype", "float32", "--host", "127.0.0.1",
-                           "--port", str(port), "--max-model-len", str(context), *extra],
+                           "--port", str(port), "--max-model-len", str(context),
+                           "--kv-cache-memory-bytes", str(int(kv_cache_gb * 2**30)), *extra],
                   port, env=env, startup_s=900)
 
 
