@@ -186,6 +186,11 @@ def test_a_slot_is_kept_free_for_a_recording_while_files_fill_the_others(engine4
     try:
         full_with_others_waiting, polls = 0, []
         deadline = time.monotonic() + 180
+        busy, lane = busy_with_files()
+        while not lane["held_for_live"] and time.monotonic() < deadline:  # the engine thread takes the commands
+            assert busy == 0, (busy, lane["waiting"])  # the recording came first: no file may start before its hold
+            time.sleep(0.01)
+            busy, lane = busy_with_files()
         while full_with_others_waiting < 20 and time.monotonic() < deadline:
             busy, lane = busy_with_files()
             polls.append((busy, lane["waiting"], lane["held_for_live"]))
