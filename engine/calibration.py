@@ -38,7 +38,7 @@ TIMED_STEPS = 7
 MIN_SLOT_SHARE = 0.5  # interactive rule: each slot keeps at least this share of single-stream speed
 THROUGHPUT_GAIN = 1.1  # throughput rule: a wider lane must add at least this factor of aggregate speed
 WIDTH_RULES = ("interactive", "throughput")
-MEMORY_SHARE = 0.25  # at most this share of the device's memory goes to one lane's caches
+MEMORY_SHARE = 0.25  # at most this share of the device's free memory goes to one lane's caches
 
 
 @dataclass
@@ -86,11 +86,23 @@ def device_identity(device: torch.device | str) -> str:
 
 
 def device_memory(device: torch.device | str) -> int:
+    """The memory still free on ``device`` now, which a new lane's caches take their share of: a GPU's free
+    memory, or what Linux says is available (MemAvailable: free memory and caches it can drop). Free, not
+    total: each lane, each engine in another process, takes its share of what the others left, so lanes
+    made one after another never promise more than the machine has (a quarter of the total each did:
+    two test workers with two lanes each held 19 GB of a 24-GB machine between them)."""
     device = torch.device(device)
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return free
     try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:  # elsewhere (macOS, Windows): the machine's whole memory
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 8 * 2**30
@@ -99,7 +111,7 @@ def device_memory(device: torch.device | str) -> int:
 def slot_length(decoder: BatchedDecoder, width: int, asked: int | None = None) -> tuple[int, str]:
     """Positions per slot for a lane of ``width`` slots, and where that comes from: the model's own
     context (or ``asked``, if less), as far as ``width`` slots of it fit in the lane's memory share
-    (MEMORY_SHARE of the device's memory), but never below MIN_SLOT_LENGTH (nor above the model's).
+    (MEMORY_SHARE of the device's memory free when the lane is made), but never below MIN_SLOT_LENGTH (nor above the model's).
     The width is chosen first (for speed, with each slot at MIN_SLOT_LENGTH, see :func:`calibrate`),
     then each slot gets what the memory left allows: on a machine with room, the model's whole context."""
     limit = decoder.context_limit
@@ -111,7 +123,7 @@ def slot_length(decoder: BatchedDecoder, width: int, asked: int | None = None) -
     if wanted <= fits:
         return wanted, "asked" if asked and asked < limit else "the model"
     floor = min(wanted, MIN_SLOT_LENGTH)
-    return max(fits, floor), f"memory: {width} slots in {MEMORY_SHARE:.0%} of {_gib(device_memory(decoder.device))}"
+    return max(fits, floor), f"memory: {width} slots in {MEMORY_SHARE:.0%} of {_gib(device_memory(decoder.device))} free"
 
 
 def _gib(n: int) -> str:

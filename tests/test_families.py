@@ -201,6 +201,17 @@ def test_slot_length_comes_from_the_model_bounded_by_memory(tiny, monkeypatch):
     assert calibration.slot_length(decoder, 8, asked=10**6) == (131072, "the model")
 
 
+def test_a_lane_takes_its_share_of_the_memory_still_free_not_of_the_whole_machine():
+    """Lanes made one after another (and engines in other processes) share what is free, so they never
+    promise more than the machine has: on Linux the CPU's figure is MemAvailable, below the total."""
+    import os
+
+    from engine.calibration import device_memory
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < device_memory("cpu") < total
+
+
 def test_an_asked_context_bounds_the_slot_and_the_cache_grows_with_use(tiny):
     model = tiny("qwen3")
     eng = Engine(backend="cpu", batch=2, drafter="off", precision="float32", context=600)
