@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 import zlib
 from pathlib import Path
@@ -21,11 +22,13 @@ from fastapi import Request
 
 from app.server_common import ApiError, refuse_if_longer
 from engine.errors import CadenceError
+from engine.processes import process_alive, process_mark
 
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 GRANULARITIES = ("segment", "word")
 WHISPER_ALIAS = "whisper-1"  # what OpenAI's examples ask for: the first Whisper model served here
 FRAMES_PER_SECOND = 100  # a job's window spans are kept in mel frames
+ORPHAN_UPLOAD_S = 3600  # an upload folder no job names is removed at a server's start once this old
 
 
 class AudioService:
@@ -44,16 +47,26 @@ class AudioService:
 
     def recover(self) -> None:
         """A server that stopped mid-transcription left its jobs unfinished and its uploads behind: the jobs
-        of servers no longer running are marked failed and their uploads removed. Run as this server starts, so a
-        job naming this very process is an earlier server's that had the same id (a container restarted: the
-        server is process 1 every time), never this one's."""
+        of servers no longer running are marked failed and their uploads removed. A server is known by its process
+        id and start time, so a later process with the same id (a container restarted: the server is process 1
+        every time) is not taken for it. Upload folders that no job names (a server stopped between saving an
+        upload and queueing it) are removed once they are an hour old (a running server may be writing a new one)."""
+        named = set()
         for job in self.jobs.unfinished():
-            pid = job.options.get("server_pid")
-            if pid == os.getpid() or not _running(pid):
-                self.jobs.failed(job.id, "The server stopped before this transcription finished.")
-                folder = Path(job.path).parent
-                if folder.parent.resolve() == self.uploads.resolve():  # only an upload's own folder is removed
-                    shutil.rmtree(folder, ignore_errors=True)
+            if _server_alive(job.options):
+                named.add(Path(job.path).parent.name)
+                continue
+            self.jobs.failed(job.id, "The server stopped before this transcription finished.")
+            folder = Path(job.path).parent
+            if folder.parent.resolve() == self.uploads.resolve():  # only an upload's own folder is removed
+                shutil.rmtree(folder, ignore_errors=True)
+        for folder in self.uploads.iterdir():
+            try:
+                old = time.time() - folder.stat().st_mtime > ORPHAN_UPLOAD_S
+            except OSError:
+                continue
+            if folder.is_dir() and folder.name not in named and old:
+                shutil.rmtree(folder, ignore_errors=True)
 
     def model_for(self, name) -> str:
         if not isinstance(name, str) or not name:
@@ -121,7 +134,7 @@ class AudioService:
         prompt = fields.get("prompt") or None
         return {"format": fmt, "task": task, "language": language, "timestamps": True,
                 "words": "word" in granularities, **({"prompt": prompt} if prompt else {}),
-                "server_pid": os.getpid()}
+                "server": process_mark()}
 
     async def save(self, upload) -> Path:
         """The upload written to a folder of its own under the uploads folder, by the name the client gave
@@ -227,17 +240,11 @@ def add_audio_routes(app, service) -> None:
         return await transcribe(request, "translate")
 
 
-def _running(pid) -> bool:
-    """Whether a process with this id runs (signal 0 probes on POSIX; on Windows it would end it, so there a
-    server's leftovers are kept)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    if os.name == "nt":
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process: running
-        return True
+def _server_alive(options: dict) -> bool:
+    """Whether the server that queued a job still runs: its mark (process id and start time), or, for a job queued
+    by an earlier version, its bare process id (never this process's: this server has only just started)."""
+    if "server" in options:
+        return process_alive(options["server"])
+    pid = options.get("server_pid")
+    return isinstance(pid, int) and pid != os.getpid() and process_alive(f"{pid}:")
     return True

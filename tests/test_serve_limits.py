@@ -116,6 +116,41 @@ def test_a_job_left_by_an_earlier_server_with_this_servers_process_id_is_recover
     assert jobs.get(outside_id).state == "failed" and elsewhere.exists()
 
 
+def test_a_reused_process_id_is_not_taken_for_the_server_that_left_a_job_and_orphan_uploads_are_swept(tmp_path):
+    """A job's server is known by its process id and start time: a job whose mark names a running process (this
+    one) that started at another time was queued by an earlier server that had the id, and is failed; one whose
+    mark is this process's own is left alone. Upload folders that no job names are removed once an hour old
+    (a server stopped between saving and queueing), a newer one is kept (a running server may be writing it)."""
+    from app.server_audio import ORPHAN_UPLOAD_S, AudioService
+    from engine.jobs import JobStore
+    from engine.processes import process_mark
+
+    folder = tmp_path / "server"
+    uploads = folder / "uploads"
+    uploads.mkdir(parents=True)
+    jobs = JobStore(folder / "jobs.sqlite")
+    pid, started = process_mark().split(":")
+    ids = {}
+    for name, mark in (("reused", f"{pid}:{float(started) - 60:.3f}"), ("running", process_mark())):
+        (uploads / name).mkdir()
+        (uploads / name / "talk.wav").write_bytes(b"RIFF")
+        ids[name] = jobs.create(uploads / name / "talk.wav", WHISPER, {"format": "json", "task": "transcribe",
+                                                                        "server": mark})
+    for name, age in (("orphan-old", ORPHAN_UPLOAD_S + 60), ("orphan-new", 60)):
+        (uploads / name).mkdir()
+        (uploads / name / "talk.wav").write_bytes(b"RIFF")
+        then = time.time() - age
+        os.utime(uploads / name, (then, then))
+    old_running = time.time() - ORPHAN_UPLOAD_S - 60  # a running server's job, its upload older than an hour
+    os.utime(uploads / "running", (old_running, old_running))
+
+    AudioService(None, [WHISPER], 1 << 20, folder)
+
+    assert (jobs.get(ids["reused"]).state, jobs.get(ids["reused"]).error) == ("failed", STOPPED)
+    assert jobs.get(ids["running"]).state == "queued" and (uploads / "running" / "talk.wav").exists()
+    assert sorted(p.name for p in uploads.iterdir()) == ["orphan-new", "running"]
+
+
 def test_requests_beyond_the_queue_limit_are_turned_away_and_clients_that_wait_as_told_get_answers(
         small_server, speech, caplog):
     """Both slots busy and two requests waiting (the limit): each of 200 more is answered at once with 429 and

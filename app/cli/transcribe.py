@@ -74,6 +74,11 @@ def _target(job, fmt: str) -> Path | None:
     return folder / f"{Path(job.path).stem}.{fmt}"
 
 
+def _exists(target: Path) -> str:
+    """The one sentence for an output that would overwrite a file."""
+    return f"{target} already exists (use --overwrite to replace it)."
+
+
 def _follow(session: Session, handle, name: str, show_progress: bool) -> None:
     shown = False
     for event in session.follow(handle):
@@ -135,7 +140,7 @@ def cmd_transcribe(args) -> int:
         job = jobs.get(job_id)
         target = _target(job, job.options.get("format", fmt))
         if target is not None and target.exists() and not job.options.get("overwrite"):
-            jobs.failed(job_id, f"{target} already exists (use --overwrite to replace it).")
+            jobs.failed(job_id, _exists(target))
         else:
             wanted.append(job_id)
     with Session(args.backend, batch, engine_opts, server) if wanted else NoSession() as session:
@@ -162,7 +167,7 @@ def cmd_transcribe(args) -> int:
                 target = _target(job, job_fmt)
                 if target is not None:
                     if target.exists() and not job.options.get("overwrite"):  # two inputs with the same name
-                        raise CadenceError(f"{target} already exists (use --overwrite to replace it).")
+                        raise CadenceError(_exists(target))
                 rules = SubtitleRules.from_options(job.options.get("subtitles"))
                 if target is not None:
                     target.write_text(render(transcript, job_fmt, rules), encoding="utf-8")

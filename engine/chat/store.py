@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from engine.errors import CadenceError, RequestError
 from engine.models import DEFAULT_CHAT
+from engine.processes import process_alive, process_mark
 from engine.sampling import SamplingParams
 from engine.store import connect, db_path
 
@@ -110,46 +110,6 @@ def title_of(text: str) -> str:
     return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
 
 
-# ---------------------------------------------------------------------------- the process writing an answer
-def _process_mark() -> str:
-    """'pid:start time' of this process, so a later process can tell whether it is still alive."""
-    try:
-        import psutil
-
-        return f"{os.getpid()}:{psutil.Process().create_time():.3f}"
-    except Exception:  # pragma: no cover - psutil comes with accelerate
-        return f"{os.getpid()}:"
-
-
-def _process_alive(mark: str | None) -> bool:
-    if not mark:
-        return False
-    pid_text, _, started = mark.partition(":")
-    try:
-        pid = int(pid_text)
-    except ValueError:
-        return False
-    try:
-        import psutil
-    except ImportError:  # pragma: no cover
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:
-            return True
-        return True
-    try:
-        process = psutil.Process(pid)
-        if process.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return not started or abs(process.create_time() - float(started)) < 0.01  # else the pid was reused
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
-
-
 # ---------------------------------------------------------------------------- the store
 class ConversationStore:
     """Conversations in the Cadence store, read and edited (answering them: :class:`Conversations`).
@@ -158,7 +118,7 @@ class ConversationStore:
 
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path or db_path())
-        self._mark = _process_mark()
+        self._mark = process_mark()
         connect(self.path)  # create or upgrade the store now, on the caller's thread
         self.recovered = self.recover()
 
@@ -188,7 +148,7 @@ class ConversationStore:
     def recover(self) -> int:
         """Mark answers left ``streaming`` by processes that are gone as ``interrupted``; how many."""
         rows = self._db.execute("SELECT id, writer FROM messages WHERE state = 'streaming'").fetchall()
-        dead = [row["id"] for row in rows if not _process_alive(row["writer"])]
+        dead = [row["id"] for row in rows if not process_alive(row["writer"])]
         if dead:
             with self._transaction() as db:
                 for message_id in dead:
