@@ -247,4 +247,3 @@ def _server_alive(options: dict) -> bool:
         return process_alive(options["server"])
     pid = options.get("server_pid")
     return isinstance(pid, int) and pid != os.getpid() and process_alive(f"{pid}:")
-    return True
