@@ -38,7 +38,7 @@ TIMED_STEPS = 7
 MIN_SLOT_SHARE = 0.5  # interactive rule: each slot keeps at least this share of single-stream speed
 THROUGHPUT_GAIN = 1.1  # throughput rule: a wider lane must add at least this factor of aggregate speed
 WIDTH_RULES = ("interactive", "throughput")
-MEMORY_SHARE = 0.25  # at most this share of the device's free memory goes to one lane's caches
+MEMORY_SHARE = 0.25  # at most this share of the device's (free) memory goes to one lane's caches
 
 
 @dataclass
@@ -85,24 +85,26 @@ def device_identity(device: torch.device | str) -> str:
     return f"cpu:{name}:{torch.get_num_threads()}threads"
 
 
-def device_memory(device: torch.device | str) -> int:
-    """The memory still free on ``device`` now, which a new lane's caches take their share of: a GPU's free
-    memory, or what Linux says is available (MemAvailable: free memory and caches it can drop). Free, not
-    total: each lane, each engine in another process, takes its share of what the others left, so lanes
-    made one after another never promise more than the machine has (a quarter of the total each did:
-    two test workers with two lanes each held 19 GB of a 24-GB machine between them)."""
+def device_memory(device: torch.device | str, free: bool = False) -> int:
+    """The device's memory: a GPU's free memory; on CPU the machine's whole memory, or with ``free`` what
+    Linux says is available now (MemAvailable: free memory and caches it can drop). A new lane's caches take
+    their share of the free memory, so lanes made one after another (and engines in other processes) never
+    promise more than the machine has (a quarter of the total each did: two test workers with two lanes
+    each held 19 GB of a 24-GB machine between them); the calibration, cached per machine, bounds its widths
+    by the whole memory, not by what happened to be free when it ran."""
     device = torch.device(device)
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return free
+        free_bytes, _total = torch.cuda.mem_get_info(device)
+        return free_bytes
+    if free:
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass  # no /proc/meminfo (macOS, Windows): the whole memory, below
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:  # elsewhere (macOS, Windows): the machine's whole memory
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 8 * 2**30
@@ -116,14 +118,15 @@ def slot_length(decoder: BatchedDecoder, width: int, asked: int | None = None) -
     then each slot gets what the memory left allows: on a machine with room, the model's whole context."""
     limit = decoder.context_limit
     wanted = min(limit, asked) if asked else limit
-    per_slot = int(device_memory(decoder.device) * MEMORY_SHARE) // max(width, 1)
+    free = device_memory(decoder.device, free=True)
+    per_slot = int(free * MEMORY_SHARE) // max(width, 1)
     fixed = decoder.slot_bytes_at(0)  # what a slot holds whatever its length (Whisper's encoder memory)
     per_block = max(decoder.slot_bytes_at(ATTENTION_BLOCK) - fixed, 1)
     fits = max(per_slot - fixed, 0) // per_block * ATTENTION_BLOCK
     if wanted <= fits:
         return wanted, "asked" if asked and asked < limit else "the model"
     floor = min(wanted, MIN_SLOT_LENGTH)
-    return max(fits, floor), f"memory: {width} slots in {MEMORY_SHARE:.0%} of {_gib(device_memory(decoder.device))} free"
+    return max(fits, floor), f"memory: {width} slots in {MEMORY_SHARE:.0%} of {_gib(free)} free"
 
 
 def _gib(n: int) -> str:

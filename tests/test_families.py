@@ -190,26 +190,27 @@ def test_slot_length_comes_from_the_model_bounded_by_memory(tiny, monkeypatch):
     per_position = decoder.slot_bytes_at(128) - decoder.slot_bytes_at(64)
     per_position //= 64
     room = 64 * 1024 * per_position  # memory for 64 Ki positions in the lane's share
-    monkeypatch.setattr(calibration, "device_memory", lambda device: int(room / calibration.MEMORY_SHARE))
+    monkeypatch.setattr(calibration, "device_memory", lambda device, free=False: int(room / calibration.MEMORY_SHARE))
     assert calibration.slot_length(decoder, 1) == (65536, calibration.slot_length(decoder, 1)[1])
     assert calibration.slot_length(decoder, 1)[1].startswith("memory: 1 slots")
     assert calibration.slot_length(decoder, 4)[0] == 16384  # four slots share it
     assert calibration.slot_length(decoder, 256)[0] == MIN_SLOT_LENGTH  # never below
     assert calibration.slot_length(decoder, 4, asked=3000) == (3000, "asked")
-    monkeypatch.setattr(calibration, "device_memory", lambda device: 10 * 2**40)
+    monkeypatch.setattr(calibration, "device_memory", lambda device, free=False: 10 * 2**40)
     assert calibration.slot_length(decoder, 8) == (131072, "the model")
     assert calibration.slot_length(decoder, 8, asked=10**6) == (131072, "the model")
 
 
 def test_a_lane_takes_its_share_of_the_memory_still_free_not_of_the_whole_machine():
     """Lanes made one after another (and engines in other processes) share what is free, so they never
-    promise more than the machine has: on Linux the CPU's figure is MemAvailable, below the total."""
+    promise more than the machine has: on Linux the CPU's free figure is MemAvailable, below the total, and
+    the whole memory (which the cached calibration's widths are bounded by) is the total."""
     import os
 
     from engine.calibration import device_memory
 
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert 0 < device_memory("cpu") < total
+    assert 0 < device_memory("cpu", free=True) < total == device_memory("cpu")
 
 
 def test_an_asked_context_bounds_the_slot_and_the_cache_grows_with_use(tiny):

@@ -74,9 +74,12 @@ def _target(job, fmt: str) -> Path | None:
     return folder / f"{Path(job.path).stem}.{fmt}"
 
 
-def _exists(target: Path) -> str:
-    """The one sentence for an output that would overwrite a file."""
-    return f"{target} already exists (use --overwrite to replace it)."
+def _overwrite_refusal(job, target: Path | None) -> str | None:
+    """The one sentence refusing an output that would replace a file the user did not let go; None if it may
+    be written."""
+    if target is not None and target.exists() and not job.options.get("overwrite"):
+        return f"{target} already exists (use --overwrite to replace it)."
+    return None
 
 
 def _follow(session: Session, handle, name: str, show_progress: bool) -> None:
@@ -138,9 +141,9 @@ def cmd_transcribe(args) -> int:
     wanted = []
     for job_id in ids:  # refuse what cannot be written before an engine starts or anything is decoded
         job = jobs.get(job_id)
-        target = _target(job, job.options.get("format", fmt))
-        if target is not None and target.exists() and not job.options.get("overwrite"):
-            jobs.failed(job_id, _exists(target))
+        refusal = _overwrite_refusal(job, _target(job, job.options.get("format", fmt)))
+        if refusal:
+            jobs.failed(job_id, refusal)
         else:
             wanted.append(job_id)
     with Session(args.backend, batch, engine_opts, server) if wanted else NoSession() as session:
@@ -165,9 +168,9 @@ def cmd_transcribe(args) -> int:
                      f"({s['tok_s']} tok/s, {s['realtime_factor']}x real time)")
                 entry = transcript.to_json() | {"file": job.path, "model": job.model, "job": job_id}
                 target = _target(job, job_fmt)
-                if target is not None:
-                    if target.exists() and not job.options.get("overwrite"):  # two inputs with the same name
-                        raise CadenceError(_exists(target))
+                refusal = _overwrite_refusal(job, target)  # two inputs with the same name
+                if refusal:
+                    raise CadenceError(refusal)
                 rules = SubtitleRules.from_options(job.options.get("subtitles"))
                 if target is not None:
                     target.write_text(render(transcript, job_fmt, rules), encoding="utf-8")
