@@ -217,19 +217,21 @@ _WAYS = {"plain": _plain, "blocked": _blocked, "fused": _fused}
 for _rows in ATTENTION_ROWS:
     _WAYS[f"plain/{_rows}"] = functools.partial(_plain, pad=_rows)
     _WAYS[f"blocked/{_rows}"] = functools.partial(_blocked, pad=_rows)
-_ATTENTION_WAY: dict[tuple, str] = {}  # (device type, dtype) -> the way this machine keeps rows independent
+_ATTENTION_WAY: dict[tuple, str] = {}  # (device type, dtype, fixed) -> the way this machine keeps rows independent
 
 
 @torch.inference_mode()
-def attention_way(device: torch.device, dtype: torch.dtype) -> str:
+def attention_way(device: torch.device, dtype: torch.dtype, fixed_memory: bool = False) -> str:
     """The cheapest way to compute attention on this machine that gives a row the same result whatever
     shares its step (how many slots, how many rows each, the longest history among them): measured
     once per process on random data at several batch shapes, like the matrix products' row rule.
     PyTorch's fused kernel changes its summation order with all three on some CPUs; some BLAS
     libraries sum a matrix product's row differently by how many rows it has (an AMD EPYC's: 1 row
     against 2-3 against 4 and more), which padding the rows to a multiple of 4-16 settles. Fused is
-    kept only where nothing else holds (and on GPUs, which are not checked here)."""
-    key = (device.type, dtype)
+    kept only where nothing else holds (and on GPUs, which are not checked here). ``fixed_memory``:
+    for keys whose length never changes (Whisper's encoder memory), so only the rows and slots that
+    share a step are varied: a dtype whose sums follow the history's length may still hold there."""
+    key = (device.type, dtype, fixed_memory)
     if key in _ATTENTION_WAY:
         return _ATTENTION_WAY[key]
     if device.type != "cpu":
@@ -243,13 +245,15 @@ def attention_way(device: torch.device, dtype: torch.dtype) -> str:
     ends = torch.randint(T, ATTENTION_BLOCK + T, (S,), generator=g)
     blocked = ~(torch.arange(longest)[None, None, :] <= (ends[:, None] - T + torch.arange(T)[None, :])[:, :, None])[:, None]
     chosen = "fused"
+    short = longest if fixed_memory else ATTENTION_BLOCK * 2
+    if fixed_memory:  # every row sees the whole memory but its padding (the last positions)
+        blocked = (torch.arange(longest) >= longest - 5)[None, None, None, :].expand(S, 1, T, longest)
     for way in [w for w in _WAYS if w != "fused"]:  # cheapest first
         fn = _WAYS[way]
-        short = ATTENTION_BLOCK * 2
         alone = [fn(q[i : i + 1, :, j : j + 1], k[i : i + 1, :, :short], v[i : i + 1, :, :short],
                     blocked[i : i + 1, :, j : j + 1, :short]) for i, j in ((0, 0), (S - 1, T - 1))]
         if all(torch.equal(out[:1, :, :1], alone[0]) and (s < S or t < T or torch.equal(out[-1:, :, -1:], alone[1]))
-               for s in (1, 2, S) for t in (1, 2, T) for n in (short, longest)
+               for s in (1, 2, S) for t in (1, 2, T) for n in sorted({short, longest})
                for out in [fn(q[:s, :, :t], k[:s, :, :n], v[:s, :, :n], blocked[:s, :, :t, :n])]):
             chosen = way
             break
@@ -258,13 +262,14 @@ def attention_way(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None,
-              scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+              scale: float | None = None, softcap: float | None = None, fixed_memory: bool = False) -> torch.Tensor:
     """softmax(q . keys * scale) . values for every slot: q [S, H, T, D]; keys, values [S, Hkv, L, D]
     (Hkv divides H: query head h reads key head h // (H / Hkv)); blocked [S, 1, T, L] True where a row
     may not attend, or None (it may attend everywhere); scale 1 / sqrt(D) unless given; ``softcap``:
     scores become cap * tanh(score / cap) before the mask (Gemma). Returns [S, H, T, D], computed the
-    way :func:`attention_way` found keeps each row's result independent of the rest of the batch."""
-    way = attention_way(q.device, q.dtype) if keys.shape[2] % ATTENTION_BLOCK == 0 else "fused"
+    way :func:`attention_way` found keeps each row's result independent of the rest of the batch
+    (``fixed_memory``: keys whose length never changes, see there)."""
+    way = attention_way(q.device, q.dtype, fixed_memory) if keys.shape[2] % ATTENTION_BLOCK == 0 else "fused"
     if softcap is not None and way == "fused":
         way = "plain"
     return _WAYS[way](q, keys, values, blocked, scale, softcap)
@@ -299,7 +304,7 @@ def attend_fixed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batc
     """
     k = _slot_view(keys, batch, keys.shape[2])
     v = _slot_view(values, batch, values.shape[2])
-    out = attention(_to_padded(q.to(k.dtype), batch), k, v, blocked)
+    out = attention(_to_padded(q.to(k.dtype), batch), k, v, blocked, fixed_memory=True)
     return batch.flat(out.transpose(1, 2)).flatten(1)
 
 

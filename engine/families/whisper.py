@@ -4,7 +4,11 @@ A lean forward pass like the Llama family's: weights fused (self-attention q/k/v
 the backend's kernels once in the chosen precision, for the decoder and for the encoder (where
 oneDNN's packed matrix product is about twice the default on CPU even at 1500 rows, and bfloat16
 runs on the CPU's matrix units where it has them). Activations are kept in the precision's
-activation dtype; the KV cache, the encoder memory and attention in engine.kernels.attention_dtype.
+activation dtype; the KV cache and self-attention in engine.kernels.attention_dtype. The encoder
+memory (cross-attention's keys and values) is kept in the activation dtype wherever this machine
+has a way to attend over it that leaves each row independent of its batch (see
+:func:`memory_dtype`): it never changes length, so bfloat16's sums stay put, and at 16 slots it is
+most of the bytes a decode step reads.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch.nn.functional as F
 
 from engine.kernels import Linear, activation_dtype, attention_dtype, precision_of
 from engine.loading import LoadedModel
-from engine.seam import BatchedDecoder, SlotKVCache, StepBatch, round_up, attend, attend_fixed
+from engine.seam import BatchedDecoder, SlotKVCache, StepBatch, attend, attend_fixed, attention_way, round_up
 from engine.weights import WeightPrep
 
 
@@ -43,6 +47,17 @@ class _EncoderLayer:
     ffn_norm: tuple[torch.Tensor, torch.Tensor]
     fc1: Linear
     fc2: Linear
+
+
+def memory_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype of the encoder memory and the cross-attention over it: the activations' (the cross
+    keys and values are computed in it, so nothing is lost keeping them so), where an attention way
+    keeps rows independent of their batch for it over a fixed-length memory; else attention_dtype's
+    (float32 on CPU). bfloat16 halves what each decode step reads from the memory."""
+    dtype = activation_dtype(precision, device)
+    if dtype == attention_dtype(precision, device) or attention_way(device, dtype, fixed_memory=True) == "fused":
+        return attention_dtype(precision, device)
+    return dtype
 
 
 def _norm_of(module: torch.nn.LayerNorm, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,8 +143,9 @@ class WhisperBatched(BatchedDecoder):
         self.cache = SlotKVCache(n, width, self.heads, max_len, self.head_dim, dtype, device)
         padded = round_up(self.memory_len)  # whole attention blocks; the padding is never attended to
         memory = (n, width, self.heads, padded, self.head_dim)
-        self.cross_k = torch.zeros(memory, dtype=dtype, device=device)
-        self.cross_v = torch.zeros(memory, dtype=dtype, device=device)
+        kept = memory_dtype(self.precision, torch.device(device))
+        self.cross_k = torch.zeros(memory, dtype=kept, device=device)
+        self.cross_v = torch.zeros(memory, dtype=kept, device=device)
         self.memory_blocked = (torch.arange(padded, device=device) >= self.memory_len)[None, None, None, :]
 
     @property
@@ -137,8 +153,9 @@ class WhisperBatched(BatchedDecoder):
         return self.cache.nbytes + 2 * self.cross_k.numel() * self.cross_k.element_size()
 
     def slot_bytes_at(self, length: int) -> int:
-        per_position = 2 * len(self.layers) * self.heads * self.head_dim * self.cross_k.element_size()
-        return per_position * (round_up(length) + round_up(self.memory_len))
+        per_position = 2 * len(self.layers) * self.heads * self.head_dim  # keys and values, every layer
+        cache = torch.tensor([], dtype=attention_dtype(self.precision, self.embed.device)).element_size()
+        return per_position * (cache * round_up(length) + self.cross_k.element_size() * round_up(self.memory_len))
 
     def _norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return F.layer_norm(x, (self.d_model,), norm[0], norm[1], self.eps)
