@@ -123,13 +123,16 @@ def test_a_precision_the_machine_lacks_is_refused_in_one_sentence(monkeypatch):
         Engine(backend="cpu", precision="fast")
 
 
-def test_auto_measures_picks_and_records_its_choice(tiny, speech):
+def test_auto_measures_picks_and_records_its_choice(tiny, speech, monkeypatch):
+    import engine.precision
     from engine.families.whisper import WhisperBatched
     from engine.loading import source_key
     from engine.paths import cache_dir
     from engine.precision import choose_precision
     from engine.whisper.reference import WhisperReference
 
+    # a busy suite may slow float32 between its two timings: that choice would not be kept (the next test)
+    monkeypatch.setattr(engine.precision, "UNSTEADY", float("inf"))
     reference = WhisperReference(tiny)
     choice = choose_precision(tiny, reference, lambda p: WhisperBatched(tiny, precision=p), source_key(tiny.source))
     assert set(choice.candidates) == set(OFFERED) and choice.chosen in OFFERED
@@ -148,3 +151,31 @@ def test_auto_measures_picks_and_records_its_choice(tiny, speech):
         assert lane["precision_why"] == choice.why and lane["calibration"]["widths"]
     finally:
         engine.shutdown()
+
+
+def test_a_choice_measured_while_the_machine_got_busy_serves_but_is_not_kept(tiny, monkeypatch):
+    """float32 is timed before and after the others; when the machine slows down in between (here: its second
+    timing scored as a machine three times slower), the choice is used but not cached, and says why."""
+    import engine.precision
+    from engine.calibration import device_identity
+    from engine.families.whisper import WhisperBatched
+    from engine.loading import source_key
+    from engine.precision import _cache_file, choose_precision
+    from engine.whisper.reference import WhisperReference
+
+    measure, timed = engine.precision.whisper_speed, []
+
+    def slower_the_second_time(decoder, mel_bins):
+        entry = measure(decoder, mel_bins)
+        timed.append(decoder.precision)
+        if decoder.precision == "float32" and timed.count("float32") == 2:
+            entry = {**entry, "score": entry["score"] / 3}
+        return entry
+
+    monkeypatch.setattr(engine.precision, "whisper_speed", slower_the_second_time)
+    key = "busy-" + source_key(tiny.source)
+    choice = choose_precision(tiny, WhisperReference(tiny), lambda p: WhisperBatched(tiny, precision=p), key)
+    assert timed[0] == timed[-1] == "float32" and timed.count("float32") == 2
+    assert not choice.steady and choice.chosen in OFFERED
+    assert "Measured while the machine was busy (float32: a 30-s window in" in choice.why
+    assert not _cache_file(key, device_identity(torch.device("cpu"))).exists()
