@@ -39,6 +39,9 @@ MIN_SLOT_SHARE = 0.5  # interactive rule: each slot keeps at least this share of
 THROUGHPUT_GAIN = 1.1  # throughput rule: a wider lane must add at least this factor of aggregate speed
 WIDTH_RULES = ("interactive", "throughput")
 MEMORY_SHARE = 0.25  # at most this share of the device's (free) memory goes to one lane's caches
+# The first width is timed again after the rest (and precision's float32 likewise): apart by more than this
+# factor, the machine was busy while measuring, and the result serves this run but is not kept.
+UNSTEADY = 1.5
 
 
 @dataclass
@@ -52,6 +55,7 @@ class Calibration:
     rule: str = "interactive"  # the rule that chose it (see choose_width)
     memory_limit_width: int = 0  # the widest lane the memory share allows at the model's full length
     seconds: float = 0.0  # how long measuring took
+    steady: bool = True  # False: the first width's step moved by more than UNSTEADY while measuring (not kept)
     from_cache: bool = False
 
     @property
@@ -168,6 +172,12 @@ def _measure_on(result: Calibration, rule: str) -> bool:
     return width * 1000 / ms >= THROUGHPUT_GAIN * max(earlier, default=0.0)  # still gaining
 
 
+def steady(first: float, again: float) -> bool:
+    """Whether two timings of the same thing, before and after a measurement, say the machine stayed
+    about as busy throughout (within UNSTEADY of each other)."""
+    return max(first, again) <= UNSTEADY * min(first, again)
+
+
 def time_step(decoder: BatchedDecoder, width: int, rows_per_slot: int = 1) -> float:
     """Median milliseconds of one decode step with ``width`` busy slots of HISTORY positions, each
     with ``rows_per_slot`` new rows (more than one: a draft being verified)."""
@@ -226,8 +236,13 @@ def _calibrate(decoder: BatchedDecoder, model: str, device: str, path, use_cache
     result.rule = rule
     result.chosen = choose_width(result.widths, result.step_ms, result.memory_limit_width, rule)
     if len(result.widths) > measured:  # measured now (all of it, or on from a cached curve): saved for next time
+        with torch.inference_mode():
+            again = time_step(decoder, result.widths[0])
+        result.steady = steady(result.step_ms[0], again)
         result.seconds = round(result.seconds + time.perf_counter() - t0, 2)
         result.from_cache = False
+        if not result.steady:
+            return result  # measured while the machine was busy: the next start measures again
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(result.to_json(), indent=1))

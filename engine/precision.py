@@ -14,9 +14,10 @@ itself, once per model file, device and PyTorch version (cached like the width c
 
 ``auto`` picks the fastest precision within the quality bounds (float32 always qualifies), and
 says why in ``Engine.status()`` and the app's engine panel. float32 is timed again after the
-others: where its two speeds differ by more than :data:`UNSTEADY` times, the machine was busy while
-measuring (another program, a test suite), so the choice serves this run but is not kept, and the
-next start measures again (a choice once made under load stayed, slower than bfloat16 undrafted).
+others: where its two speeds differ by more than ``engine.calibration.UNSTEADY`` times, the machine
+was busy while measuring (another program, a test suite), so the choice serves this run but is not
+kept, and the next start measures again (a choice once made under load stayed, slower than
+bfloat16 undrafted).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 from engine.api import PRECISION_ENV, parse_precision  # noqa: F401 - the names callers look for here
+from engine.calibration import steady
 from engine.kernels import precisions_on
 from engine.filelock import held
 from engine.paths import cache_dir
@@ -41,7 +43,6 @@ MIN_AGREEMENT = 0.97  # chat: share of positions whose top-1 token equals float3
 MAX_WER_RISE = 0.005  # Whisper: word error rate at most this much above float32's (0.5 points)
 CHECK_TOKENS = 48  # chat: greedy tokens per check prompt
 TOKENS_PER_WINDOW = 40  # Whisper: typical tokens decoded per 30-s window of speech
-UNSTEADY = 1.5  # float32's speed timed before and after the others: apart by more than this, the machine was busy
 RESOURCES = Path(__file__).resolve().parent.parent / "resources" / "speech"
 CHECK_PROMPTS = [
     "Explain how a refrigerator keeps food cold.",
@@ -230,7 +231,7 @@ def _choose(loaded, reference, build, identity: str, path: Path, use_cache: bool
             del decoder
         again = (chat_speed(base) if chat else whisper_speed(base, loaded.model.config.num_mel_bins))["score"]
     first = choice.candidates["float32"]["score"]
-    choice.steady = max(first, again) <= UNSTEADY * min(first, again)
+    choice.steady = steady(first, again)
     qualified = {p: e for p, e in choice.candidates.items() if e["qualifies"]}
     choice.chosen = max(qualified, key=lambda p: qualified[p]["score"])
     choice.why = _why(choice, chat)

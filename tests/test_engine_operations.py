@@ -42,7 +42,10 @@ def test_the_throughput_rule_widens_while_aggregate_speed_still_grows():
         choose_width(widths, step_ms, rule="fastest")
 
 
-def test_calibration_measures_a_curve_chooses_by_the_rule_and_is_cached(tiny):
+def test_calibration_measures_a_curve_chooses_by_the_rule_and_is_cached(tiny, monkeypatch):
+    from engine import calibration as calibration_module
+
+    monkeypatch.setattr(calibration_module, "UNSTEADY", float("inf"))  # a busy suite's curve is kept (the next test)
     decoder = WhisperBatched(tiny)
     first = calibrate(decoder, "whisper-tiny.en", "test-" + source_key(tiny.source), use_cache=False)
     assert first.widths[:5] == [1, 2, 4, 8, 16] and len(first.widths) == len(first.step_ms)
@@ -53,6 +56,32 @@ def test_calibration_measures_a_curve_chooses_by_the_rule_and_is_cached(tiny):
     assert first.chosen == choose_width(first.widths, first.step_ms, first.memory_limit_width)
     again = calibrate(decoder, "whisper-tiny.en", "test-" + source_key(tiny.source))
     assert again.from_cache and again.step_ms == first.step_ms and again.chosen == first.chosen
+
+
+def test_a_calibration_measured_while_the_machine_got_busy_serves_but_is_not_kept(tiny, monkeypatch):
+    """The first width is timed again after the others; when the machine slows down in between (here: that
+    second timing taken as ten times slower), the curve serves this run, is not cached, and the next
+    start measures again."""
+    from engine import calibration as calibration_module
+
+    measure, timed = calibration_module.time_step, []
+
+    def slower_at_the_second_look(decoder, width, rows_per_slot=1):
+        ms = measure(decoder, width, rows_per_slot)
+        timed.append((width, rows_per_slot))
+        return ms * 10 if timed.count((1, 1)) == 2 and (width, rows_per_slot) == (1, 1) else ms
+
+    monkeypatch.setattr(calibration_module, "time_step", slower_at_the_second_look)
+    monkeypatch.setattr(calibration_module, "WIDTHS", WIDTHS[:3])
+    monkeypatch.setattr(calibration_module, "UNSTEADY", 2.5)  # the tenfold slowdown is busy; a busy suite's drift is not
+    decoder = WhisperBatched(tiny)
+    key = "busy-" + source_key(tiny.source)
+    busy = calibrate(decoder, "whisper-tiny.en", key)
+    assert timed[0] == timed[-1] == (1, 1) and not busy.steady and busy.widths == [1, 2, 4]
+    assert not calibration_module._cache_file(key, busy.device).exists()
+    quiet = calibrate(decoder, "whisper-tiny.en", key)  # the next start: measured again, steady, kept
+    assert not quiet.from_cache and quiet.steady
+    assert calibrate(decoder, "whisper-tiny.en", key).from_cache
 
 
 def test_auto_engine_uses_the_calibrated_width_and_reports_it(tiny):
@@ -74,6 +103,7 @@ def test_a_throughput_engine_measures_on_from_the_cached_curve_and_reports_its_r
     from engine import calibration as calibration_module
 
     monkeypatch.setattr(calibration_module, "WIDTHS", WIDTHS[:6])
+    monkeypatch.setattr(calibration_module, "UNSTEADY", float("inf"))
     decoder = WhisperBatched(tiny)
     key = "test-" + source_key(tiny.source)
     interactive = calibrate(decoder, "whisper-tiny.en", key)
