@@ -212,8 +212,20 @@ def _fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: t
                                           enable_gqa=keys.shape[1] != q.shape[1], scale=scale)
 
 
+def _row_by_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None,
+                scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """As :func:`_plain`, one new row of every slot at a time: every product has the same rows (one per
+    query head of a key head) whatever the step holds, so nothing is padded. A decode step reads the
+    keys once; a step of T rows reads them T times (for a fixed memory, where T is mostly 1)."""
+    def mask(t: int) -> torch.Tensor | None:  # the row's mask (one shared by every row: itself)
+        return blocked if blocked is None or blocked.shape[2] == 1 else blocked[:, :, t : t + 1]
+
+    rows = [_plain(q[:, :, t : t + 1], keys, values, mask(t), scale, softcap) for t in range(q.shape[2])]
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=2)
+
+
 ATTENTION_ROWS = (4, 8, 16)  # row multiples tried when a product's row count changes its sums (cheapest first)
-_WAYS = {"plain": _plain, "blocked": _blocked, "fused": _fused}
+_WAYS = {"plain": _plain, "blocked": _blocked, "fused": _fused, "row-by-row": _row_by_row}
 for _rows in ATTENTION_ROWS:
     _WAYS[f"plain/{_rows}"] = functools.partial(_plain, pad=_rows)
     _WAYS[f"blocked/{_rows}"] = functools.partial(_blocked, pad=_rows)
@@ -248,7 +260,8 @@ def attention_way(device: torch.device, dtype: torch.dtype, fixed_memory: bool =
     short = longest if fixed_memory else ATTENTION_BLOCK * 2
     if fixed_memory:  # every row sees the whole memory but its padding (the last positions)
         blocked = (torch.arange(longest) >= longest - 5)[None, None, None, :].expand(S, 1, T, longest)
-    for way in [w for w in _WAYS if w != "fused"]:  # cheapest first
+    # cheapest first; row by row only over a fixed memory (a history grows with every row anyway)
+    for way in [w for w in _WAYS if w != "fused" and (fixed_memory or w != "row-by-row")]:
         fn = _WAYS[way]
         alone = [fn(q[i : i + 1, :, j : j + 1], k[i : i + 1, :, :short], v[i : i + 1, :, :short],
                     blocked[i : i + 1, :, j : j + 1, :short]) for i, j in ((0, 0), (S - 1, T - 1))]
