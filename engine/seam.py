@@ -213,15 +213,37 @@ def _fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: t
 
 
 def _row_by_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None,
-                scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+                scale: float | None = None, softcap: float | None = None,
+                lengths: torch.Tensor | None = None) -> torch.Tensor:
     """As :func:`_plain`, one new row of every slot at a time: every product has the same rows (one per
     query head of a key head) whatever the step holds, so nothing is padded. A decode step reads the
-    keys once; a step of T rows reads them T times (for a fixed memory, where T is mostly 1)."""
-    def mask(t: int) -> torch.Tensor | None:  # the row's mask (one shared by every row: itself)
-        return blocked if blocked is None or blocked.shape[2] == 1 else blocked[:, :, t : t + 1]
+    keys once. ``lengths``: each slot's new rows (the rest of ``q`` is padding); a later row's pass
+    then reads only the keys of the slots that have one (each slot's own, where they are few: a
+    prompt joining beside decoding slots costs its own memory's passes, not every slot's)."""
+    S, T = q.shape[0], q.shape[2]
 
-    rows = [_plain(q[:, :, t : t + 1], keys, values, mask(t), scale, softcap) for t in range(q.shape[2])]
-    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=2)
+    def rows(t: int, slots: slice = slice(None)) -> torch.Tensor:
+        mask = blocked if blocked is None or blocked.shape[2] == 1 else blocked[:, :, t : t + 1]
+        if mask is not None and mask.shape[0] > 1:
+            mask = mask[slots]
+        return _plain(q[slots, :, t : t + 1], keys[slots], values[slots], mask, scale, softcap)
+
+    if T == 1:
+        return rows(0)
+    counts = lengths.tolist() if lengths is not None else [T] * S
+    out = None
+    for t in range(T):
+        live = [i for i, n in enumerate(counts) if n > t]
+        if len(live) > S // 2:
+            part = rows(t)
+            out = part.new_zeros(*part.shape[:2], T, part.shape[3]) if out is None else out
+            out[:, :, t : t + 1] = part
+        else:
+            for i in live:
+                part = rows(t, slice(i, i + 1))
+                out = part.new_zeros(S, part.shape[1], T, part.shape[3]) if out is None else out
+                out[i : i + 1, :, t : t + 1] = part
+    return out
 
 
 ATTENTION_ROWS = (4, 8, 16)  # row multiples tried when a product's row count changes its sums (cheapest first)
@@ -275,16 +297,20 @@ def attention_way(device: torch.device, dtype: torch.dtype, fixed_memory: bool =
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None,
-              scale: float | None = None, softcap: float | None = None, fixed_memory: bool = False) -> torch.Tensor:
+              scale: float | None = None, softcap: float | None = None, fixed_memory: bool = False,
+              lengths: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q . keys * scale) . values for every slot: q [S, H, T, D]; keys, values [S, Hkv, L, D]
     (Hkv divides H: query head h reads key head h // (H / Hkv)); blocked [S, 1, T, L] True where a row
     may not attend, or None (it may attend everywhere); scale 1 / sqrt(D) unless given; ``softcap``:
     scores become cap * tanh(score / cap) before the mask (Gemma). Returns [S, H, T, D], computed the
     way :func:`attention_way` found keeps each row's result independent of the rest of the batch
-    (``fixed_memory``: keys whose length never changes, see there)."""
+    (``fixed_memory``: keys whose length never changes, see there; ``lengths``: each slot's new rows,
+    which the row-by-row way uses to skip padding)."""
     way = attention_way(q.device, q.dtype, fixed_memory) if keys.shape[2] % ATTENTION_BLOCK == 0 else "fused"
     if softcap is not None and way == "fused":
         way = "plain"
+    if way == "row-by-row":
+        return _row_by_row(q, keys, values, blocked, scale, softcap, lengths)
     return _WAYS[way](q, keys, values, blocked, scale, softcap)
 
 
@@ -317,7 +343,7 @@ def attend_fixed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batc
     """
     k = _slot_view(keys, batch, keys.shape[2])
     v = _slot_view(values, batch, values.shape[2])
-    out = attention(_to_padded(q.to(k.dtype), batch), k, v, blocked, fixed_memory=True)
+    out = attention(_to_padded(q.to(k.dtype), batch), k, v, blocked, fixed_memory=True, lengths=batch.lengths)
     return batch.flat(out.transpose(1, 2)).flatten(1)
 
 
