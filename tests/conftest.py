@@ -40,6 +40,17 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 
+import engine.calibration  # noqa: E402
+
+# A width calibration (and precision auto) times its first width again at the end and keeps nothing it
+# measured while the machine got busier in between: the next engine start measures again. In the suite
+# the other worker makes the machine busier at random, so a third of the calibrations came out
+# "unsteady" and every later engine on that model measured again (a run measured 17 curves, 105 s of
+# work, about half of it repeats). Here whatever is measured is kept; the rule's own tests
+# (test_engine_operations, test_precision) set the shipped factor back, SHIPPED_UNSTEADY.
+SHIPPED_UNSTEADY = engine.calibration.UNSTEADY
+engine.calibration.UNSTEADY = float("inf")
+
 SPEECH = {
     "fox": ("en-us+f3", 130, "The quick brown fox jumps over the lazy dog. Meetings start at nine in the morning."),
     "report": ("en-us+m3", 150, "Please remember to send the quarterly report to the finance team by Friday afternoon."),

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from conftest import SHIPPED_UNSTEADY
 
 from engine import ChatRequest, Engine, TranscribeRequest
 from engine.errors import CadenceError, RequestError
@@ -123,16 +124,13 @@ def test_a_precision_the_machine_lacks_is_refused_in_one_sentence(monkeypatch):
         Engine(backend="cpu", precision="fast")
 
 
-def test_auto_measures_picks_and_records_its_choice(tiny, speech, monkeypatch):
-    import engine.calibration
+def test_auto_measures_picks_and_records_its_choice(tiny, speech):
     from engine.families.whisper import WhisperBatched
     from engine.loading import source_key
     from engine.paths import cache_dir
     from engine.precision import choose_precision
     from engine.whisper.reference import WhisperReference
 
-    # a busy suite may slow float32 between its two timings: that choice would not be kept (the next test)
-    monkeypatch.setattr(engine.calibration, "UNSTEADY", float("inf"))
     reference = WhisperReference(tiny)
     choice = choose_precision(tiny, reference, lambda p: WhisperBatched(tiny, precision=p), source_key(tiny.source))
     assert set(choice.candidates) == set(OFFERED) and choice.chosen in OFFERED
@@ -156,6 +154,7 @@ def test_auto_measures_picks_and_records_its_choice(tiny, speech, monkeypatch):
 def test_a_choice_measured_while_the_machine_got_busy_serves_but_is_not_kept(tiny, monkeypatch):
     """float32 is timed before and after the others; when the machine slows down in between (here: its second
     timing scored as a machine ten times slower), the choice is used but not cached, and says why."""
+    import engine.calibration
     import engine.precision
     from engine.calibration import device_identity
     from engine.families.whisper import WhisperBatched
@@ -173,6 +172,7 @@ def test_a_choice_measured_while_the_machine_got_busy_serves_but_is_not_kept(tin
         return entry
 
     monkeypatch.setattr(engine.precision, "whisper_speed", slower_the_second_time)
+    monkeypatch.setattr(engine.calibration, "UNSTEADY", SHIPPED_UNSTEADY)  # (the suite keeps every choice)
     key = "busy-" + source_key(tiny.source)
     choice = choose_precision(tiny, WhisperReference(tiny), lambda p: WhisperBatched(tiny, precision=p), key)
     assert timed[0] == timed[-1] == "float32" and timed.count("float32") == 2
