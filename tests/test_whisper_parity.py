@@ -22,13 +22,18 @@ def _words(text):
     return [w.strip(".,!?").lower() for w in text.split()]
 
 
+# tiny.en reads every sentence; base (about three times the work a window) the one-window and two-window
+# cases, which the other two sentences only repeat (they cost it ~25 s of the suite's 2 cores).
+PARITY_CLIPS = {"whisper-tiny.en": ("fox", "report", "budget", "long"), "whisper-base": ("fox", "long")}
+
+
 @pytest.mark.parametrize("model_name", ["whisper-tiny.en", "whisper-base"])
 def test_token_parity_with_faster_whisper(model_name, request, speech, faster_whisper):
     loaded = request.getfixturevalue("tiny" if model_name == "whisper-tiny.en" else "base")
     ours = WhisperReference(loaded)
     theirs = faster_whisper(model_name)
     runs = {}
-    for name in ("fox", "report", "budget", "long"):
+    for name in PARITY_CLIPS[model_name]:
         # Fixed 30-s windows: faster-whisper's sequential run as it comes.
         transcript = runs[name, "fixed"] = transcribe_file(ours, speech[name], windowing="fixed")
         expected, language = _faster_whisper_tokens(theirs, speech[name])
