@@ -31,7 +31,10 @@ run: setup
 vllm:
 	@bash packaging/vllm-venv.sh
 
-test: setup vllm
+# Cadence's environment and vLLM's install side by side: pip spends most of its time unpacking and
+# compiling on one core, so together they take little longer than the slower one alone.
+test: system-deps
+	@$(MAKE) --no-print-directory -j2 --output-sync=line $(STAMP) vllm
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0 --durations=25
 
 bench: setup
