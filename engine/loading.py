@@ -170,13 +170,17 @@ def gguf_architecture(path: Path) -> str:
     raise unreadable("it names no architecture")
 
 
+_GGUF_PATCH = threading.Lock()  # one conversion at a time patches the gguf module (each process has its own)
+
+
 @contextlib.contextmanager
 def _gguf_parsed_once():
     """Within this block, each GGUF file is parsed once and gguf's tensor-name map built once per
     architecture. transformers parses the file for the tokenizer, the config and the weights (2-3 s each
     for SmolLM2's 49k-token vocabulary on a 2-core machine) and builds the name map again for every
-    module of the model (397 times, 4 s): 17 s of a first load, 7 s once each is made once. Both are
-    only read, so sharing them changes nothing in the converted weights."""
+    module of the model (397 times, 4 s). SmolLM2's conversion took 17.6 s before, 11.9 s after (beside a
+    running test suite, AMD EPYC, 2 cores). Both are only read, so sharing them changes nothing in the
+    converted folder (checked byte for byte)."""
     import gguf as gguf_py
 
     real_reader, real_map = gguf_py.GGUFReader, gguf_py.get_tensor_name_map
@@ -194,15 +198,13 @@ def _gguf_parsed_once():
             maps[arch, n_blocks] = real_map(arch, n_blocks)
         return maps[arch, n_blocks]
 
-    with _GGUF_PATCH:  # one conversion at a time patches the module (two processes each have their own)
+    with _GGUF_PATCH:
         gguf_py.GGUFReader, gguf_py.get_tensor_name_map = reader, name_map
         try:
             yield
         finally:
             gguf_py.GGUFReader, gguf_py.get_tensor_name_map = real_reader, real_map
 
-
-_GGUF_PATCH = threading.Lock()
 
 
 def _convert_gguf_chat(source: ModelSource, out: Path) -> None:
