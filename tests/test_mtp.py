@@ -180,6 +180,30 @@ def test_calibration_and_selection(tmp_path):
     assert part.lengths.tolist() == [40, 40] and torch.equal(part.emitted[:40], data.emitted[80:120])
 
 
+def test_chat_data_is_the_engines_greedy_answers_with_the_teachers_hidden_states(smollm, chat_ref):
+    """The maker behind `cadence train-mtp`'s chat data: the engine's float32 greedy answers (as the
+    reference decoder gives them), each position's hidden state from a teacher-forced pass."""
+    from engine.chat.reference import build_messages
+    from engine.mtp.data import _ChatMaker
+    from engine.mtp.progress import quiet
+    from engine.sampling import SamplingParams
+
+    prompts = ["Name three colors.", "Say hello in French."]
+    maker = _ChatMaker(smollm.source, Recipe("chat", max_tokens=12), quiet, width=2)
+    try:
+        data = maker(prompts, 0)
+    finally:
+        maker.close()
+    at = 0
+    for prompt, n in zip(prompts, data.lengths.tolist()):
+        expected = chat_ref.generate(chat_ref.prompt_ids(build_messages(prompt)), SamplingParams(max_tokens=12))
+        assert data.emitted[at : at + len(expected.tokens)].tolist() == list(expected.tokens)
+        at += n
+    assert torch.equal(data.emitted, data.greedy)
+    with torch.no_grad():  # the hidden states are the ones that chose those tokens
+        assert torch.equal((data.hidden @ smollm.model.lm_head.weight.T).argmax(-1), data.greedy)
+
+
 def test_unknown_model_is_one_sentence():
     with pytest.raises(CadenceError) as err:
         recipe_for("no-such-model")

@@ -126,8 +126,8 @@ def load_frozen(source):
 
 # ----- chat
 class _ChatMaker:
-    def __init__(self, source, recipe: Recipe, progress):
-        self.source, self.recipe, self.progress = source, recipe, progress
+    def __init__(self, source, recipe: Recipe, progress, width: int = 16):
+        self.source, self.recipe, self.progress, self.width = source, recipe, progress, width
         self.loaded = None
         self.engine = None
 
@@ -136,7 +136,7 @@ class _ChatMaker:
             from engine.engine import Engine
 
             self.loaded = load_frozen(self.source)
-            self.engine = Engine(backend="cpu", batch=16)
+            self.engine = Engine(backend="cpu", batch=self.width, precision="float32")  # the teacher's own greedy answers
 
     def close(self):
         if self.engine is not None:
@@ -158,7 +158,7 @@ class _ChatMaker:
         answers = []
         for k, h in enumerate(handles):
             r = h.result()
-            answers.append(list(r["tokens"]) + ([eos] if r["finish_reason"] == "stop" else []))
+            answers.append(list(r.tokens) + ([eos] if r.finish_reason == "stop" else []))
             done = sum(len(a) for a in answers)
             self.progress(f"chat shard {n + 1}: {k + 1}/{len(prompts)} answers, {done} tokens "
                           f"({done / (time.perf_counter() - t0):.0f} tok/s)")
