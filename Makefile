@@ -8,7 +8,7 @@ STAMP := $(VENV)/.cadence-installed
 # The suite runs its files on one worker per core, at most 4 (each worker loads its own models).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
-.PHONY: setup system-deps vllm run test bench package screenshots clean
+.PHONY: setup system-deps vllm run test bench package screenshots mtp-corpora clean
 
 setup: system-deps $(STAMP)
 
@@ -46,6 +46,14 @@ package: setup
 	$(VENV)/bin/pyinstaller --noconfirm --clean --distpath dist --workpath build/pyinstaller packaging/cadence.spec
 	cp packaging/cadence.desktop resources/cadence.svg dist/cadence/
 	@echo "Built dist/cadence (run dist/cadence/cadence-gui); 'bash packaging/install-desktop.sh dist/cadence' adds it to the menu."
+
+# The installed documentation `cadence train-mtp` teacher-forces chat draft heads on (engine/mtp/corpus.py):
+# the Python documentation, the Debian Administrator's Handbook and the GCIDE dictionary.
+mtp-corpora:
+	@pkgs="python3.11-doc debian-handbook dict-gcide"; missing=$$(for p in $$pkgs; do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	else echo "Install these Debian packages (as root): $$missing"; exit 1; fi
 
 # A scripted session under Xvfb that saves a PNG of each main view into docs/screenshots/.
 screenshots: setup

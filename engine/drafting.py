@@ -117,6 +117,10 @@ class Drafter(ABC):
         """Sequential draft passes a depth needs (what the drafter's time grows with)."""
         return depth
 
+    def observe(self, seq, hidden: torch.Tensor, tokens: list[int]) -> None:
+        """After a step: the hidden states [n, d] of the rows that emitted ``tokens`` (called only for
+        drafters that need hidden states, before the tokens join ``seq.tokens``)."""
+
 
 class NgramDrafter(Drafter):
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n from
@@ -164,11 +168,23 @@ class MTPDrafter(Drafter):
 
     def __init__(self, head, min_p: float = 0.0):
         self.head, self.min_p = head, min_p
+        self.with_context = hasattr(head, "draft_cached")  # a context head keeps each sequence's past pairs
+
+    def observe(self, seq, hidden, tokens):
+        if self.with_context:
+            from engine.mtp.context_head import HeadCache
+
+            if not seq.tokens or "context" not in seq.draft_state:  # a new answer (or a window's next part)
+                seq.draft_state["context"] = HeadCache()
+            seq.draft_state["context"].add(hidden.detach().clone(), tokens)
 
     def propose(self, seqs, depths):
-        hidden = torch.stack([s.last_hidden for s in seqs])
-        last = torch.tensor([s.tokens[-1] for s in seqs], device=hidden.device)
-        tokens, probs = self.head.draft(hidden, last, max(depths))
+        if self.with_context:
+            tokens, probs = self.head.draft_cached([s.draft_state["context"] for s in seqs], max(depths))
+        else:
+            hidden = torch.stack([s.last_hidden for s in seqs])
+            last = torch.tensor([s.tokens[-1] for s in seqs], device=hidden.device)
+            tokens, probs = self.head.draft(hidden, last, max(depths))
         tokens, probs = tokens.tolist(), probs.tolist()
         drafts = []
         for row, p, depth in zip(tokens, probs, depths):
@@ -188,6 +204,9 @@ class LookupThenMTPDrafter(Drafter):
 
     def __init__(self, lookup: NgramDrafter, mtp: MTPDrafter):
         self.lookup, self.mtp = lookup, mtp
+
+    def observe(self, seq, hidden, tokens):
+        self.mtp.observe(seq, hidden, tokens)
 
     def propose(self, seqs, depths):
         drafts = self.lookup.propose(seqs, depths)

@@ -416,6 +416,7 @@ class Lane:
                     update_acceptance(seq.accept_ema, len(draft), accepted)
             if hidden is not None:
                 seq.last_hidden = hidden[first + len(tokens) - 1]
+                self.drafter.observe(seq, hidden[first : first + len(tokens)], tokens)
             for token in tokens:
                 if token in seq.stop_ids:
                     self._finish(seq, "stop")

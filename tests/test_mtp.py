@@ -189,7 +189,7 @@ def test_chat_data_is_the_engines_greedy_answers_with_the_teachers_hidden_states
     from engine.sampling import SamplingParams
 
     prompts = ["Name three colors.", "Say hello in French."]
-    maker = _ChatMaker(smollm.source, Recipe("chat", max_tokens=12), quiet, width=2)
+    maker = _ChatMaker(smollm.source, Recipe("chat", max_tokens=12), quiet, width=4)
     try:
         data = maker(prompts, 0)
     finally:

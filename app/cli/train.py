@@ -20,6 +20,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="where to write the head (default: resources/mtp/<model>.safetensors)")
     p.add_argument("--steps", type=int, default=None, help="training steps in all (default: the model's recipe)")
     p.add_argument("--seed", type=int, default=0, help="seeds the speech voices, the initial head and every batch")
+    p.add_argument("--design", choices=("chain", "context"), default=None,
+                   help="head design: chain (an MLP on the last position, the shipped heads) or context "
+                        "(attention over the answer so far, chat models; docs/MTP.md)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint of an interrupted run")
     p.add_argument("--data-dir", metavar="DIR", default=None,
                    help="work folder for generated data and checkpoints (default: under the user cache folder)")
@@ -31,7 +34,7 @@ def run(args) -> int:
     from engine.mtp.command import train_mtp
 
     path, table = train_mtp(args.model, out=args.out, steps=args.steps, seed=args.seed, resume=args.resume,
-                            data_dir=args.data_dir)
+                            data_dir=args.data_dir, design=args.design)
     best = table.get("depth4") or {}
     print(f"{path}  (held-out acceptance {best.get('rate', 0):.1%} of drafted tokens at depth 4, "
           f"mean acceptance length {best.get('mean_acceptance_length', 1):.2f})")

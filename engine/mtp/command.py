@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import CadenceError
-from engine.mtp.data import DATA_VERSION, chat_data, load_frozen, whisper_data, work_dir
+from engine.mtp.data import DATA_VERSION, SeqData, chat_data, corpus_data, load_frozen, whisper_data, work_dir
 from engine.mtp.head import head_path, read_head
 from engine.mtp.progress import Progress
 from engine.mtp.recipe import recipe_for
@@ -37,10 +37,10 @@ def matrices_of(loaded) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
 
 
 def train_mtp(model: str, out: str | Path | None = None, steps: int | None = None, seed: int = 0, resume: bool = False,
-              data_dir: str | Path | None = None, progress=None) -> tuple[Path, dict]:
+              data_dir: str | Path | None = None, progress=None, design: str | None = None) -> tuple[Path, dict]:
     """The whole of ``cadence train-mtp``: data (made or reused), training, held-out acceptance, the head file."""
     progress = progress or Progress()
-    recipe, source = recipe_for(model)
+    recipe, source = recipe_for(model, design)
     steps = steps or recipe.steps
     if steps < 1:
         raise CadenceError(f"--steps must be at least 1 (got {steps}).")
@@ -49,6 +49,8 @@ def train_mtp(model: str, out: str | Path | None = None, steps: int | None = Non
     progress(f"{source.name}: data and checkpoints in {folder}", force=True)
     if recipe.kind == "chat":
         train, val, held = chat_data(source, recipe, folder, progress)
+        if recipe.corpus_passages:
+            train = SeqData.concat([train, corpus_data(source, folder, seed, recipe.corpus_passages, progress)])
     else:
         train, val, held = whisper_data(source, recipe, folder, seed, progress)
     data_s = time.perf_counter() - t0
@@ -63,14 +65,19 @@ def train_mtp(model: str, out: str | Path | None = None, steps: int | None = Non
     coverage = float(torch.isin(held.greedy, vocab_ids).float().mean())
     progress.done(f"draft vocabulary: {vocab_ids.numel()} tokens, covering {coverage:.1%} of held-out targets")
     t1 = time.perf_counter()
-    head = train_head(None, train, val, recipe, seed, steps, folder, resume, progress, embed, lm_head,
-                      source.name, vocab_ids)
+    if recipe.design == "context":
+        head = _train_context(train, val, recipe, seed, steps, folder, resume, progress, embed, lm_head,
+                              source.name, vocab_ids)
+    else:
+        head = train_head(None, train, val, recipe, seed, steps, folder, resume, progress, embed, lm_head,
+                          source.name, vocab_ids)
     temperature, calibration = calibrate(head, val)
     head.temperature.fill_(temperature)
     train_s = time.perf_counter() - t1
     progress.done(f"trained {steps} steps in {train_s:.0f} s; temperature {temperature} fitted on validation")
     path = Path(out) if out else head_path(source.name)
-    head.meta = {"recipe": {"command": f"cadence train-mtp --model {source.name} --steps {steps} --seed {seed}",
+    flag = " --design context" if recipe.design == "context" else ""
+    head.meta = {"recipe": {"command": f"cadence train-mtp --model {source.name}{flag} --steps {steps} --seed {seed}",
                             "seed": seed, "steps": steps, **recipe.to_json(), "data_version": DATA_VERSION, **sizes,
                             "data_seconds_this_run": round(data_s), "train_seconds": round(train_s),
                             "torch": torch.__version__, "bf16_training": use_bf16(recipe),
@@ -83,6 +90,35 @@ def train_mtp(model: str, out: str | Path | None = None, steps: int | None = Non
     head.save(path)
     progress.done(f"held-out acceptance of {path}:\n{format_table(table)}")
     return path, table
+
+
+def _train_context(train, val, recipe, seed, steps, folder, resume, progress, embed, lm_head, model, vocab_ids):
+    """A context head trained from scratch (or resumed from the checkpoint in ``folder``)."""
+    from engine.mtp.context_head import ContextHead
+    from engine.mtp.context_training import train_context_head
+    from engine.mtp.replay import measure
+    from engine.mtp.training import load_checkpoint, save_checkpoint
+
+    start, opt = 0, None
+    loaded = load_checkpoint(folder, recipe) if resume else None
+    if loaded is not None and loaded[0].config()["design"].startswith("context"):
+        head, opt, start, _ = loaded
+        progress(f"resuming from step {start}", force=True)
+    else:
+        torch.manual_seed(seed)
+        d = train.hidden.shape[1]
+        head = ContextHead(model, d, embed.shape[0], vocab_ids, max(8, int(round(recipe.ffn_mult * d / 8)) * 8))
+    head.bind(embed, lm_head)
+
+    def evaluate(h) -> str:
+        m = measure(h, val, limit=2500)
+        return (f"validation acceptance at depth {m['depth']}: {m['rate']:.1%} of drafts, mean length "
+                f"{m['mean_acceptance_length']:.2f}, first draft {m['per_position'][0]:.1%}")
+
+    def checkpoint(h, o, step):
+        save_checkpoint(folder, h, o, step, {"seed": seed, "steps": steps})
+
+    return train_context_head(head, train, recipe, seed, steps, start, opt, progress, evaluate, checkpoint)
 
 
 def _rounded(table: dict) -> dict:

@@ -191,6 +191,52 @@ def _teacher_force_chat(loaded, prompts: list[list[int]], answers: list[list[int
                    torch.tensor([len(answers[i]) for i in keep], dtype=torch.long), [texts[i] for i in keep])
 
 
+class _CorpusMaker:
+    """Teacher-forced passes over corpus conversations (:mod:`engine.mtp.corpus`): each passage is the
+    assistant's answer; the model's hidden state at every answer position, the corpus token it was
+    fed next (``emitted``) and its own greedy choice there (``greedy``)."""
+
+    def __init__(self, source, max_tokens: int):
+        self.source, self.max_tokens, self.loaded = source, max_tokens, None
+
+    def __call__(self, items: list[tuple[str, str]], n: int) -> SeqData:
+        from engine.chat.reference import ChatReference, build_messages
+
+        if self.loaded is None:
+            self.loaded = load_frozen(self.source)
+        ref = ChatReference(self.loaded)
+        eos = min(ref.stop_ids)
+        prompts, answers = [], []
+        for question, answer in items:
+            prompts.append(ref.prompt_ids(build_messages(question)))
+            ids = ref.tokenizer.encode(answer, add_special_tokens=False)
+            answers.append(ids[: self.max_tokens] if len(ids) > self.max_tokens else ids + [eos])
+        data = _teacher_force_chat(self.loaded, prompts, answers, [a for _, a in items])
+        data.greedy = greedy_of(self.loaded.model.lm_head.weight, data.hidden)
+        return data
+
+
+@torch.inference_mode()
+def greedy_of(lm_head: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's greedy token at each position from its final-norm hidden states."""
+    return torch.cat([(hidden[b : b + 1024] @ lm_head.T).argmax(-1) for b in range(0, hidden.shape[0], 1024)])
+
+
+def corpus_data(source, folder: Path, seed: int, count: int | None, progress, held_out: bool = False,
+                max_tokens: int = 320) -> SeqData:
+    """Teacher-forced corpus conversations of one split (``count`` passages, all when None)."""
+    from engine.mtp.corpus import conversations, missing_sources
+
+    missing = missing_sources()
+    if missing:
+        raise CadenceError(f"Training this draft head reads installed documentation; install the Debian packages "
+                           f"{', '.join(sorted(missing.values()))} first (`make mtp-corpora`).")
+    items = conversations(seed, count, held_out)
+    prefix = "corpus-heldout" if held_out else "corpus-train"
+    return _shards(folder, prefix, items, 256, _CorpusMaker(source, max_tokens), progress,
+                   f"corpus {'held-out' if held_out else 'training'} passages")
+
+
 def chat_parts(source, recipe: Recipe, folder: Path, progress,
                parts: tuple[str, ...] = ("first", "more", "val", "held")) -> dict[str, SeqData]:
     """A chat model's answers to the given parts of the prompt set: first, more (training), val, held."""
@@ -212,11 +258,11 @@ def chat_data(source, recipe: Recipe, folder: Path, progress) -> tuple[SeqData, 
     """(training, validation, held-out) answers of a chat model to the prompt set."""
     from engine.mtp.prompts import TRAIN_PROMPTS, mentions_held_out
 
-    parts = chat_parts(source, recipe, folder, progress)
+    parts = chat_parts(source, recipe, folder, progress, ("first", "val", "held") + (("more",) if recipe.more_prompts else ()))
     first = parts["first"]
     if len(first.lengths) == len(TRAIN_PROMPTS):  # every prompt answered: leave out those naming held-out topics
         first = first.select([i for i, p in enumerate(TRAIN_PROMPTS) if not mentions_held_out(p)])
-    return SeqData.concat([first, parts["more"]]), parts["val"], parts["held"]
+    return SeqData.concat([first] + ([parts["more"]] if recipe.more_prompts else [])), parts["val"], parts["held"]
 
 
 # ----- whisper

@@ -27,9 +27,8 @@ import torch.nn.functional as F
 
 from engine.errors import CadenceError
 from engine.kernels import Linear
+from engine.mtp.head_file import FORMAT, FORMAT_VERSION, attach_matrices, save_head
 
-FORMAT = "cadence-mtp"
-FORMAT_VERSION = 1
 RESOURCE_DIR = Path(__file__).resolve().parents[2] / "resources" / "mtp"
 EPS = 1e-6
 PARAMS = ("norm_h", "norm_e", "fc", "norm_z", "gate_up", "down", "norm_out", "bias_out")
@@ -76,17 +75,7 @@ class MTPHead(torch.nn.Module):
         """Attach the model's frozen token embedding [V, d] and output matrix [V, d]; with ``prepare``,
         ready the weights for :meth:`draft` (kernels chosen for the backend). Bind again after the
         head's weights change."""
-        for what, m in (("token embedding", embed), ("output matrix", lm_head)):
-            if tuple(m.shape) != (self.vocab_size, self.hidden):
-                raise CadenceError(f"The draft head for {self.model} expects a {what} of {self.vocab_size} x "
-                                   f"{self.hidden}, but this model's is {' x '.join(map(str, m.shape))}.")
-        embed, lm_head = embed.detach(), lm_head.detach()
-        if self.norm_h.device != embed.device or self.norm_h.dtype != embed.dtype:
-            self.to(embed.device, embed.dtype)
-            self.vocab_ids = self.vocab_ids.to(embed.device)
-        self.embed = embed
-        self.out_rows = lm_head[self.vocab_ids].contiguous()
-        self._fast = None
+        attach_matrices(self, embed, lm_head)
         if prepare:
             with torch.no_grad():
                 self._fast = {"fc": Linear(self.fc.detach().clone()), "gate_up": Linear(self.gate_up.detach().clone()),
@@ -148,22 +137,16 @@ class MTPHead(torch.nn.Module):
 
     # ------------------------------------------------------------------ files
     def save(self, path: str | Path, dtype: torch.dtype = torch.float16) -> Path:
-        """Write the head as safetensors (weights in ``dtype``; metadata: model, sizes, config, recipe, acceptance)."""
-        from safetensors.torch import save_file
+        return save_head(self, PARAMS, path, dtype)
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {name: getattr(self, name).detach().to("cpu", dtype).contiguous() for name in PARAMS}
-        tensors["vocab_ids"] = self.vocab_ids.detach().cpu().contiguous()
-        tensors["temperature"] = self.temperature.detach().to("cpu", torch.float32).contiguous()
-        metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "model": self.model,
-                    "hidden": str(self.hidden), "vocab_size": str(self.vocab_size), "config": json.dumps(self.config())}
-        metadata.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in self.meta.items()})
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata=metadata)
-        tmp.chmod(0o644)  # a file to ship and share, whatever mode the writer chose
-        tmp.replace(path)
-        return path
+
+def new_head(design: str, model: str, hidden: int, vocab_size: int, vocab_ids, ffn: int | None, meta=None):
+    """A head of the design its file or checkpoint names ("chain", the default, or "context")."""
+    if design.startswith("context"):
+        from engine.mtp.context_head import ContextHead
+
+        return ContextHead(model, hidden, vocab_size, vocab_ids, ffn, meta=meta)
+    return MTPHead(model, hidden, vocab_size, vocab_ids, ffn, meta=meta)
 
 
 def head_path(model: str) -> Path:
@@ -196,9 +179,10 @@ def read_head(path: str | Path) -> MTPHead:
                 extra[k] = json.loads(v)
             except ValueError:
                 pass
-        head = MTPHead(meta["model"], hidden, vocab_size, tensors["vocab_ids"], config["ffn"], meta=extra)
+        head = new_head(config.get("design", "chain"), meta["model"], hidden, vocab_size, tensors["vocab_ids"],
+                        config["ffn"], meta=extra)
         with torch.no_grad():
-            for name in PARAMS:
+            for name, _ in head.named_parameters():
                 getattr(head, name).copy_(tensors[name].float())
             if "temperature" in tensors:
                 head.temperature.copy_(tensors["temperature"].float().reshape(1))

@@ -30,6 +30,9 @@ class Recipe:
     dropout: float = 0.0  # on the MLP's inner activations, training only
     noise: float = 0.0  # gaussian noise on the model's hidden state, relative to its RMS, training only
     bf16: bool | None = None  # bfloat16 autocast for training matmuls; None: where the CPU supports it natively
+    design: str = "chain"  # "chain": an MLP on the last pair; "context": attention over past pairs (chat)
+    corpus_passages: int = 0  # context heads: teacher-forced corpus passages added to the model's own answers
+    more_prompts: bool = True  # chat: also the second batch of training prompts (engine.mtp.prompts)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -40,14 +43,27 @@ RECIPES = {
     "whisper-tiny.en": Recipe("whisper", steps=1500, draft_vocab=4096, ffn_mult=2.0, train_clips=576, heldout_clips=64),
     "whisper-base": Recipe("whisper", steps=1500, draft_vocab=4096, ffn_mult=1.5, train_clips=256, heldout_clips=64),
 }
+# `--design context` (chat models): an attention head on the model's answers to the first prompt batch plus
+# teacher-forced corpus passages (docs/MTP.md, "Context heads"); the draft vocabulary stays the recipe's.
+CONTEXT = dict(steps=1000, batch=12 * 128, lr=1e-3, warmup=100, ffn_mult=8 / 3, noise=0.05, design="context",
+               corpus_passages=768, more_prompts=False)
+DESIGNS = ("chain", "context")
 
 
-def recipe_for(model: str) -> tuple[Recipe, object]:
-    """The recipe and resolved source of a model; ModelError (one sentence) for a model that is unknown."""
+def recipe_for(model: str, design: str | None = None) -> tuple[Recipe, object]:
+    """The recipe and resolved source of a model (``design``: "context" for a context head, else the
+    model's own); ModelError (one sentence) for a model that is unknown, CadenceError for a design
+    that does not apply."""
+    from engine.errors import CadenceError
     from engine.models import CHAT, resolve
 
     source = resolve(model)
     recipe = RECIPES.get(source.name) or Recipe("chat" if source.family == CHAT else "whisper")
-    return Recipe(**recipe.to_json()), source
-
-
+    recipe = Recipe(**recipe.to_json())
+    if design not in (None, *DESIGNS):
+        raise CadenceError(f"Unknown head design '{design}' (use {' or '.join(DESIGNS)}).")
+    if design == "context":
+        if recipe.kind != "chat":
+            raise CadenceError(f"Context heads are for chat models; {source.name} takes the chain design.")
+        recipe = Recipe(**{**recipe.to_json(), **CONTEXT})
+    return recipe, source

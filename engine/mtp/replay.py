@@ -18,12 +18,41 @@ MIN_PS = (0.3, 0.5)  # confidence cuts whose acceptance is also reported
 @torch.no_grad()
 def all_chains(head: MTPHead, data: SeqData, depth: int, fast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's greedy chain from every position: drafted full-vocabulary ids [N, depth] and probabilities."""
+    if hasattr(head, "forward_window"):
+        return context_chains(head, data, depth)
     picks, probs = [], []
     for b in range(0, data.emitted.numel(), 2048):
         p, q = head.chain(data.hidden[b : b + 2048], data.emitted[b : b + 2048], depth, fast=fast)
         picks.append(head.vocab_ids[p])
         probs.append(q)
     return torch.cat(picks), torch.cat(probs)
+
+
+@torch.no_grad()
+def context_logits(head, data: SeqData, depth: int) -> list[torch.Tensor]:
+    """A context head's logits at every position [N, K] for chain steps 1..depth, each sequence from its
+    start; step j > 1 is fed the model's own greedy tokens (the drafts that would have been accepted),
+    which is all replay needs: a chain is only followed while its drafts are right."""
+    out = [[] for _ in range(depth)]
+    start = 0
+    G = data.greedy
+    for n in data.lengths.tolist():
+        rows = torch.arange(start, start + n)
+        chain = [G[torch.clamp(rows + j, max=start + n - 1)][None] for j in range(1, depth)]
+        us = head.forward_window(data.hidden[rows][None].to(head.fc.dtype), data.emitted[rows][None], depth, chain)
+        for j, u in enumerate(us):
+            out[j].append(head.logits(u[0]).float())
+        start += n
+    return [torch.cat(o) for o in out]
+
+
+def context_chains(head, data: SeqData, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    picks, probs = [], []
+    for logits in context_logits(head, data, depth):
+        best, index = torch.softmax(logits, -1).max(-1)
+        picks.append(head.vocab_ids[index])
+        probs.append(best)
+    return torch.stack(picks, 1), torch.stack(probs, 1)
 
 
 def replay(drafts: torch.Tensor, probs: torch.Tensor, data: SeqData, depth: int, min_p: float = 0.0) -> dict:
@@ -72,6 +101,24 @@ def calibrate(head: MTPHead, data: SeqData, depth: int = DEPTH) -> tuple[float, 
     was = head.temperature.clone()
     head.temperature.fill_(1.0)
     N = data.emitted.numel()
+
+    def score(logits: torch.Tensor, right: torch.Tensor, alive: torch.Tensor) -> int:
+        if not bool(alive.any()):
+            return 0
+        z = logits[alive] - logits[alive].max(-1, keepdim=True).values
+        for g, t in enumerate(grid):
+            p = 1.0 / torch.exp(z / t).sum(-1)
+            errors[g] += float(((p - right[alive].float()) ** 2).sum())
+        return int(alive.sum())
+
+    if hasattr(head, "forward_window"):  # a context head: every step's logits at once, chains fed greedy tokens
+        idx = torch.arange(N)
+        alive = rem >= 1
+        for k, logits in enumerate(context_logits(head, data, depth), start=1):
+            right = (head.vocab_ids[logits.argmax(-1)] == data.greedy[torch.clamp(idx + k, max=N - 1)]) & alive
+            count += score(logits, right, alive)
+            alive = right & (rem >= k + 1)
+        N = 0  # done
     for b in range(0, N, 2048):
         idx = torch.arange(b, min(N, b + 2048))
         h, tok = data.hidden[idx], data.emitted[idx]
@@ -82,12 +129,7 @@ def calibrate(head: MTPHead, data: SeqData, depth: int = DEPTH) -> tuple[float, 
             best = logits.argmax(-1)
             tok = head.vocab_ids[best]
             right = (tok == data.greedy[torch.clamp(idx + k, max=N - 1)]) & alive
-            if bool(alive.any()):
-                z = logits[alive] - logits[alive].max(-1, keepdim=True).values
-                for g, t in enumerate(grid):
-                    p = 1.0 / torch.exp(z / t).sum(-1)
-                    errors[g] += float(((p - right[alive].float()) ** 2).sum())
-                count += int(alive.sum())
+            count += score(logits, right, alive)
             alive = right & (rem[idx] >= k + 1)
     head.temperature.copy_(was)
     best = int(errors.argmin())

@@ -11,7 +11,6 @@ number) and resumable: the head and its optimizer state are checkpointed as safe
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -19,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.mtp.data import SeqData
-from engine.mtp.head import MTPHead
+from engine.mtp.head import MTPHead, new_head
+from engine.mtp.optim import apply_gradients, cosine_lr
 from engine.mtp.progress import quiet
 from engine.mtp.recipe import DEPTH, Recipe
 from engine.mtp.replay import measure
@@ -80,10 +80,7 @@ def use_bf16(recipe: Recipe) -> bool:
 
 
 def _lr(recipe: Recipe, step: int, steps: int) -> float:
-    if step < recipe.warmup:
-        return recipe.lr * (step + 1) / recipe.warmup
-    progress = (step - recipe.warmup) / max(1, steps - recipe.warmup)
-    return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    return cosine_lr(recipe.lr, recipe.warmup, step, steps, 0.1)
 
 
 def _optimizer(head: MTPHead, recipe: Recipe) -> torch.optim.Optimizer:
@@ -91,6 +88,14 @@ def _optimizer(head: MTPHead, recipe: Recipe) -> torch.optim.Optimizer:
     rest = [head.norm_h, head.norm_e, head.norm_z, head.norm_out, head.bias_out]
     return torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
                               {"params": rest, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95))
+
+
+def optimizer_for(head, recipe: Recipe) -> torch.optim.Optimizer:
+    if hasattr(head, "forward_window"):
+        from engine.mtp.context_training import optimizer
+
+        return optimizer(head, recipe)
+    return _optimizer(head, recipe)
 
 
 def save_checkpoint(folder: Path, head: MTPHead, opt: torch.optim.Optimizer, step: int, info: dict) -> None:
@@ -112,7 +117,8 @@ def save_checkpoint(folder: Path, head: MTPHead, opt: torch.optim.Optimizer, ste
     tmp = folder / "checkpoint.safetensors.tmp"
     save_file(tensors, str(tmp))
     meta = {"step": step, "opt_steps": steps, "head": {"model": head.model, "hidden": head.hidden,
-                                                      "vocab_size": head.vocab_size, "ffn": head.ffn}, **info}
+                                                      "vocab_size": head.vocab_size, "ffn": head.ffn,
+                                                      "design": head.config()["design"]}, **info}
     (folder / "checkpoint.json.tmp").write_text(json.dumps(meta, indent=1))
     tmp.replace(folder / "checkpoint.safetensors")
     (folder / "checkpoint.json.tmp").replace(folder / "checkpoint.json")
@@ -126,11 +132,11 @@ def load_checkpoint(folder: Path, recipe: Recipe) -> tuple[MTPHead, torch.optim.
     meta = json.loads((folder / "checkpoint.json").read_text())
     t = load_file(str(folder / "checkpoint.safetensors"))
     h = meta["head"]
-    head = MTPHead(h["model"], h["hidden"], h["vocab_size"], t["head.vocab_ids"], h["ffn"])
+    head = new_head(h.get("design", "chain"), h["model"], h["hidden"], h["vocab_size"], t["head.vocab_ids"], h["ffn"])
     with torch.no_grad():
         for n, p in head.named_parameters():
             p.copy_(t[f"head.{n}"])
-    opt = _optimizer(head, recipe)
+    opt = optimizer_for(head, recipe)
     for n, p in head.named_parameters():
         if f"opt.{n}.exp_avg" in t:
             opt.state[p] = {"step": torch.tensor(meta["opt_steps"][n]), "exp_avg": t[f"opt.{n}.exp_avg"].clone(),
@@ -184,12 +190,7 @@ def train_head(head: MTPHead | None, train: SeqData, held: SeqData | None, recip
         torch.manual_seed(seed * 1_000_003 + step)  # noise and dropout: from the step too
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss, accs = chain_loss(head, hidden, inputs, targets, recipe.noise)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        value = float(loss.detach())
-        loss_avg = value if loss_avg is None else 0.95 * loss_avg + 0.05 * value
+        loss_avg = apply_gradients(head, opt, loss, loss_avg)
         done = step + 1
         note = ""
         if held is not None and (done % recipe.eval_every == 0 or done == steps):
