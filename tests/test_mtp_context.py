@@ -190,3 +190,45 @@ def test_the_context_design_is_for_chat_models_and_named_in_one_sentence():
         with pytest.raises(CadenceError) as err:
             recipe_for(model, design)
         assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_resuming_a_checkpoint_of_the_other_design_is_refused_in_one_sentence(tmp_path):
+    import pytest
+
+    from engine.errors import CadenceError
+    from engine.mtp.training import resume_from
+
+    data = _two_back_data(n_seqs=4)
+    train_context_head(_head(), data, _recipe(checkpoint_every=2), 0, 2,
+                       checkpoint=lambda h, o, s: save_checkpoint(tmp_path, h, o, s, {}))
+    assert resume_from(tmp_path, _recipe())[2] == 2
+    with pytest.raises(CadenceError) as err:
+        resume_from(tmp_path, Recipe("chat"))  # a chain run in the same work folder
+    assert "context head" in str(err.value) and "--design context" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_greedy_answers_with_a_context_head_equal_the_reference_alone_and_at_full_width(tmp_path, monkeypatch,
+                                                                                       chat_ref):
+    """The engine drafting with a context head (per-sequence caches fed after every step) gives the
+    reference decoder's greedy tokens, for one request alone and for four at once."""
+    import engine.mtp.head as heads
+    from engine import Engine
+    from engine.api import ChatRequest
+    from engine.chat.reference import build_messages
+    from engine.sampling import SamplingParams
+
+    torch.manual_seed(0)  # an untrained head drafts nearly always wrong: every draft is verified away
+    path = ContextHead("smollm2-135m-instruct", 576, 49152, torch.arange(0, 49152, 8), 256).save(tmp_path / "c.safetensors")
+    monkeypatch.setattr(heads, "head_path", lambda model: path)
+    prompts = ["Name three colors.", "Explain rain in one sentence.", "Say hello in French.", "Count to five."]
+    params = SamplingParams(max_tokens=24)
+    expected = [list(chat_ref.generate(chat_ref.prompt_ids(build_messages(p)), params).tokens) for p in prompts]
+    eng = Engine(backend="cpu", batch=4, drafter="mtp", draft_depth=3)
+    try:
+        alone = eng.submit(ChatRequest(prompt=prompts[0], params=params)).result(600)
+        together = [h.result(600) for h in [eng.submit(ChatRequest(prompt=p, params=params)) for p in prompts]]
+    finally:
+        eng.shutdown()
+    assert list(alone.tokens) == expected[0]
+    assert [list(r.tokens) for r in together] == expected
+    assert sum(r.stats["drafting"]["drafted"] for r in together) > 0  # the head did draft

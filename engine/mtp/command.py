@@ -97,11 +97,11 @@ def _train_context(train, val, recipe, seed, steps, folder, resume, progress, em
     from engine.mtp.context_head import ContextHead
     from engine.mtp.context_training import train_context_head
     from engine.mtp.replay import measure
-    from engine.mtp.training import load_checkpoint, save_checkpoint
+    from engine.mtp.training import resume_from, save_checkpoint
 
     start, opt = 0, None
-    loaded = load_checkpoint(folder, recipe) if resume else None
-    if loaded is not None and loaded[0].config()["design"].startswith("context"):
+    loaded = resume_from(folder, recipe) if resume else None
+    if loaded is not None:
         head, opt, start, _ = loaded
         progress(f"resuming from step {start}", force=True)
     else:

@@ -222,9 +222,7 @@ class ContextHead(torch.nn.Module):
         z = torch.cat(zs)
         positions = torch.cat([torch.arange(c.next_position, c.next_position + n, device=z.device)
                                for c, n in zip(caches, counts)])
-        q, k, v = self._mat("qkv", self._norm(z, self.norm_a)).split(self.hidden, dim=-1)
-        q, k, v = (t.reshape(-1, self.heads, HEAD_DIM).transpose(0, 1) for t in (q, k, v))
-        q, k = rotary(q, positions), rotary(k, positions)
+        q, k, v = self.project(z, positions)  # [heads, N, HEAD_DIM]
         last_q, last_z, at = [], [], 0
         for c, n in zip(caches, counts):
             c.append(k[:, at : at + n], v[:, at : at + n])

@@ -54,8 +54,8 @@ def context_loss(head: ContextHead, data: SeqData, idx: torch.Tensor, real: torc
     if noise:
         h_in = h_in + noise * h_in.pow(2).mean(-1, keepdim=True).sqrt() * torch.randn_like(h_in)
     L = h_in.shape[1]
-    chain = [G[:, 1 + j : 1 + j + L] if j + L < G.shape[1] else
-             torch.cat([G[:, 1 + j :], G[:, -1:].expand(-1, j + L - G.shape[1] + 1)], 1) for j in range(depth - 1)]
+    padded = torch.cat([G, G[:, -1:].expand(-1, depth)], 1)  # chain tokens past the window's end: no target
+    chain = [padded[:, 1 + j : 1 + j + L] for j in range(depth - 1)]
     us = head.forward_window(h_in, X[:, :-1], depth, chain)
     total, weights, acc = 0.0, 0.0, 0.0
     valid = real[:, 1:]  # the target position is real

@@ -5,8 +5,9 @@ assistant's answer) so a teacher-forced pass through the chat model sees it as i
 Sources are Debian packages the Makefile's ``mtp-corpora`` target installs (nothing is fetched at
 run time): the Python documentation (``python3.11-doc``: reStructuredText sources), the Debian
 Administrator's Handbook (``debian-handbook``: HTML, English), the Collaborative International
-Dictionary of English (``dict-gcide``) and the standard library's own Python source. A source
-that is not installed is left out, with its package named by :func:`missing_sources`.
+Dictionary of English (``dict-gcide``) and the standard library's own Python source.
+:func:`missing_sources` names the packages not installed (training refuses to start without them,
+so a head's data does not depend on what happened to be installed).
 
 Which passage goes to which split is fixed by a hash of its title, so the held-out passages stay
 held out whatever the seed or the number of passages asked for.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-
+from engine.errors import CadenceError
 
 DEPTH = 4  # chain steps trained jointly and measured
 
@@ -54,7 +54,6 @@ def recipe_for(model: str, design: str | None = None) -> tuple[Recipe, object]:
     """The recipe and resolved source of a model (``design``: "context" for a context head, else the
     model's own); ModelError (one sentence) for a model that is unknown, CadenceError for a design
     that does not apply."""
-    from engine.errors import CadenceError
     from engine.models import CHAT, resolve
 
     source = resolve(model)

@@ -118,19 +118,19 @@ def calibrate(head: MTPHead, data: SeqData, depth: int = DEPTH) -> tuple[float, 
             right = (head.vocab_ids[logits.argmax(-1)] == data.greedy[torch.clamp(idx + k, max=N - 1)]) & alive
             count += score(logits, right, alive)
             alive = right & (rem >= k + 1)
-        N = 0  # done
-    for b in range(0, N, 2048):
-        idx = torch.arange(b, min(N, b + 2048))
-        h, tok = data.hidden[idx], data.emitted[idx]
-        alive = rem[idx] >= 1
-        for k in range(1, depth + 1):
-            h = head.step(h, tok)
-            logits = head.logits(h).float()
-            best = logits.argmax(-1)
-            tok = head.vocab_ids[best]
-            right = (tok == data.greedy[torch.clamp(idx + k, max=N - 1)]) & alive
-            count += score(logits, right, alive)
-            alive = right & (rem[idx] >= k + 1)
+    else:  # a chain head: its own chain, 2048 positions at a time
+        for b in range(0, N, 2048):
+            idx = torch.arange(b, min(N, b + 2048))
+            h, tok = data.hidden[idx], data.emitted[idx]
+            alive = rem[idx] >= 1
+            for k in range(1, depth + 1):
+                h = head.step(h, tok)
+                logits = head.logits(h).float()
+                best = logits.argmax(-1)
+                tok = head.vocab_ids[best]
+                right = (tok == data.greedy[torch.clamp(idx + k, max=N - 1)]) & alive
+                count += score(logits, right, alive)
+                alive = right & (rem[idx] >= k + 1)
     head.temperature.copy_(was)
     best = int(errors.argmin())
     return grid[best], {"brier_at_1": round(float(errors[grid.index(1.0)]) / max(count, 1), 4),

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.errors import CadenceError
 from engine.mtp.data import SeqData
 from engine.mtp.head import MTPHead, new_head
 from engine.mtp.optim import apply_gradients, cosine_lr
@@ -144,6 +145,17 @@ def load_checkpoint(folder: Path, recipe: Recipe) -> tuple[MTPHead, torch.optim.
     return head, opt, int(meta["step"]), meta
 
 
+def resume_from(folder: Path, recipe: Recipe):
+    """The checkpoint in ``folder`` to resume (None when there is none); CadenceError when it holds a
+    head of another design than the recipe's (both designs keep their checkpoint in the work folder)."""
+    loaded = load_checkpoint(folder, recipe)
+    if loaded is not None and loaded[0].config()["design"].split(":")[0] != recipe.design:
+        found = loaded[0].config()["design"].split(":")[0]
+        raise CadenceError(f"The checkpoint in {folder} is of a {found} head, not a {recipe.design} head; "
+                           f"resume with --design {found}, or train from the start without --resume.")
+    return loaded
+
+
 def init_head(model: str, data: SeqData, vocab_ids: torch.Tensor, vocab_size: int, recipe: Recipe, seed: int) -> MTPHead:
     torch.manual_seed(seed)
     d = data.hidden.shape[1]
@@ -162,7 +174,7 @@ def train_head(head: MTPHead | None, train: SeqData, held: SeqData | None, recip
     Each step's batch depends only on the seed and the step number, so a resumed run ends where an
     uninterrupted one would. ``stop_after`` stops early (tests: an interrupted run)."""
     start, opt = 0, None
-    loaded = load_checkpoint(folder, recipe) if (resume and folder is not None) else None
+    loaded = resume_from(folder, recipe) if (resume and folder is not None) else None
     if loaded is not None:
         head, opt, start, _ = loaded
         progress(f"resuming from step {start}", force=True)
