@@ -1,7 +1,8 @@
 """The OpenAI-compatible servers Cadence is tested against and measured beside, each started on a free
 loopback port and stopped again: ``cadence serve``, llama.cpp's (llama-cpp-python's ``llama_cpp.server``
 over the registry's SmolLM2 Q4_1 GGUF) and vLLM's CPU build (its own virtual environment, .venv-vllm,
-made by packaging/vllm-venv.sh; it serves the safetensors folder Cadence converts the GGUF into).
+made by packaging/vllm-venv.sh; it serves the safetensors folders Cadence converts the GGUF and the
+CTranslate2 Whisper into).
 
     with llama_cpp_server(gguf, threads=2) as server:
         OpenAI(base_url=server.api, api_key="none")...
@@ -119,6 +120,32 @@ def vllm_folder(converted: Path, out: Path) -> Path:
         config.setdefault("rope_theta", rope["rope_theta"])
     config["torch_dtype"] = config["dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def vllm_whisper_folder(converted: Path, out: Path) -> Path:
+    """A folder vLLM serves Whisper from, made from Cadence's converted one (weights, config, tokenizer from
+    CTranslate2): the config names its architecture, a ``preprocessor_config.json`` gives the log-mel front end
+    (Whisper's standard one), and the tokenizer gains the time tokens ``<|0.00|>`` ... ``<|30.00|>`` after
+    ``<|notimestamps|>``, as transformers' own Whisper tokenizers list them; CTranslate2's leaves them out and
+    vLLM finds its verbose_json segments by them."""
+    from transformers import WhisperFeatureExtractor
+
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "model.safetensors").exists():
+        os.symlink(converted / "model.safetensors", out / "model.safetensors")
+    config = json.loads((converted / "config.json").read_text())
+    config["architectures"] = ["WhisperForConditionalGeneration"]
+    config["torch_dtype"] = config["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    WhisperFeatureExtractor(feature_size=config["num_mel_bins"]).save_pretrained(out)
+    tokenizer = json.loads((converted / "tokenizer.json").read_text())
+    added = tokenizer["added_tokens"]
+    first = max(t["id"] for t in added) + 1
+    added += [{"id": first + i, "content": f"<|{i * 0.02:.2f}|>", "single_word": False, "lstrip": False,
+               "rstrip": False, "normalized": True, "special": False}
+              for i in range(config["vocab_size"] - first)]
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
     return out
 
 

@@ -65,8 +65,10 @@ def error_sentence(exc: Exception, url: str) -> str:
             return f"The server at {url} refused the API key (missing or wrong)."
         if exc.status_code == 404 and not message:
             return f"The server at {url} does not serve that (HTTP 404)."
-        message = (message or str(exc)).strip()
-        return message if message.endswith(".") else message + "."
+        message = (message or str(exc)).strip().rstrip(".")
+        if exc.status_code >= 500:  # the server's own failure: its words are not about the request
+            return f"The server at {url} failed on this request (HTTP {exc.status_code}: {message})."
+        return message + "."
     if isinstance(exc, openai.APITimeoutError):
         return f"The server at {url} did not answer in time."
     if isinstance(exc, openai.APIConnectionError):

@@ -2,7 +2,9 @@
 registry's SmolLM2 Q4_1 GGUF) and vLLM's CPU build (its own venv, serving the safetensors folder Cadence
 converts the GGUF into, started once for the module). The command line chats through each with ``--server``, and
 the app's remote mode through vLLM; what Cadence streams and stores is exactly what the server answers when asked
-directly. (The app's test on llama.cpp's server is in test_app_remote.py.)"""
+directly. A second vLLM serves whisper-base (multilingual; the folder Cadence converts from CTranslate2), and the
+command line and the app's queue transcribe through it, equal to its own verbose_json answers. (The app's test on
+llama.cpp's server is in test_app_remote.py.)"""
 
 import json
 import os
@@ -11,15 +13,16 @@ import sys
 
 import pytest
 import torch
-from app_support import app_home, chat_equals_servers_answer, open_window  # noqa: F401
+from app_support import app_home, chat_equals_servers_answer, drop_files, open_window, wait_jobs_settled  # noqa: F401
 
-from bench.servers import llama_cpp_server, smollm2_gguf, vllm_folder, vllm_server
+from bench.servers import llama_cpp_server, smollm2_gguf, vllm_folder, vllm_server, vllm_whisper_folder
 
 # The window never touches a person's keyring (keyring's own setting names the backend that has none).
 os.environ["PYTHON_KEYRING_BACKEND"] = "keyring.backends.fail.Keyring"
 
 PROMPT = "What is the capital of France?"
 NAME = "smollm2"
+WHISPER = "whisper-base"  # vLLM prompts every Whisper with a language token, which English-only models do not take
 
 
 def _direct(server, stream: bool = False) -> str:
@@ -99,3 +102,64 @@ def test_the_app_on_vllm_streams_a_chat_and_stores_vllms_answer(vllm, qtbot, app
     assert answer.content and answer.stats["server"] == vllm.api
     assert answer.stats["tokens"] == want.usage.completion_tokens  # vLLM sends the usage when asked
     assert answer.content.strip()[:20] in window.chats.rendered_text()
+
+
+@pytest.fixture(scope="module")
+def vllm_whisper(tmp_path_factory):
+    """vLLM's CPU build serving whisper-base as Cadence converted it, started once for this module's tests."""
+    from engine.loading import converted_dir, load
+    from engine.models import resolve
+
+    load(WHISPER)  # converts the CTranslate2 model once (cached)
+    folder = vllm_whisper_folder(converted_dir(resolve(WHISPER)), tmp_path_factory.mktemp("vllm-whisper"))
+    # (Whisper's decoder holds 448 positions: a 0.25 GiB cache is many times what one window needs)
+    with vllm_server(folder, WHISPER, threads=torch.get_num_threads(), context=448, kv_cache_gb=0.25,
+                     extra=("--enforce-eager",)) as server:
+        yield server
+
+
+def _vllms_transcript(server, path) -> dict:
+    """vLLM's own answer for a file, asked with the openai client as Cadence's remote mode asks it."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.api, api_key="none", max_retries=0, timeout=300)
+    with open(path, "rb") as f:
+        answer = client.audio.transcriptions.create(model=WHISPER, file=f, response_format="verbose_json",
+                                                    timestamp_granularities=["segment"])
+    return {"text": answer.text.strip(), "segments": [(s.start, s.end, s.text.strip()) for s in answer.segments]}
+
+
+def test_transcription_through_vllm(vllm_whisper, speech, tmp_path):
+    """``cadence transcribe --server`` (no --model: the first Whisper model vLLM lists) gives vLLM's words and
+    segments, as vLLM answers them directly."""
+    want = _vllms_transcript(vllm_whisper, speech["fox"])
+    assert "lazy dog" in want["text"].lower() and want["segments"]
+    env = dict(os.environ, CADENCE_DATA_DIR=str(tmp_path))
+    env.pop("CADENCE_API_KEY", None)
+    done = subprocess.run([sys.executable, "-m", "app.cli", "transcribe", "--server", vllm_whisper.url, "--json",
+                           str(speech["fox"])], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr
+    [entry] = json.loads(done.stdout)
+    assert entry["model"] == WHISPER and entry["text"] == want["text"]
+    assert [(s["start"], s["end"], s["text"]) for s in entry["segments"]] == want["segments"]
+
+
+def test_the_app_on_vllm_transcribes_two_files_as_vllm_answers_them(vllm_whisper, speech, qtbot, app_home,  # noqa: F811
+                                                                    tmp_path):
+    """The window in server mode pointed at vLLM's Whisper: two files dropped on the queue are transcribed by it,
+    stored and saved, each equal to vLLM's own answer."""
+    home = app_home(engine_mode="server", server_url=vllm_whisper.url, transcription_model=WHISPER,
+                    output_folder=str(tmp_path / "out"), output_formats=["txt"])
+    window = open_window(qtbot, home)
+    assert window.bridge.remote and window.bridge.engine.models() == [WHISPER]
+    drop_files(window.queue, [speech["fox"], speech["report"]])
+    wait_jobs_settled(qtbot, window, timeout=300)
+    jobs = {os.path.basename(j.path): j for j in window.bridge.jobs.list()}
+    assert {name: j.state for name, j in jobs.items()} == {"fox.wav": "done", "report.wav": "done"}, \
+        {name: j.error for name, j in jobs.items()}
+    for name in ("fox", "report"):
+        want = _vllms_transcript(vllm_whisper, speech[name])
+        mine = jobs[f"{name}.wav"].result
+        assert mine["model"] == WHISPER and mine["text"] == want["text"]
+        assert [(s["start"], s["end"], s["text"]) for s in mine["segments"]] == want["segments"]
+        assert (tmp_path / "out" / f"{name}.txt").read_text(encoding="utf-8").split() == want["text"].split()

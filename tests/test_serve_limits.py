@@ -335,3 +335,28 @@ def test_a_server_that_dies_mid_answer_leaves_the_partial_answer_stored(small_se
     answer = conversations.get(reply.conversation_id).messages[-1]
     assert answer.state == "failed" and answer.content == received and len(received) > 40
     assert answer.error.endswith(".")
+
+
+def test_a_servers_own_failure_is_named_as_the_servers_in_one_sentence():
+    """A 5xx carries the server's internal words (vLLM answered a Whisper folder it could not segment with
+    'tuple index out of range'): the sentence says the server failed, with its status; a 4xx's message, which is
+    about the request, is passed on as it is."""
+    import openai
+
+    from engine.remote import error_sentence
+    try:
+        import httpx2 as httpx  # what the openai client is built on here
+    except ImportError:
+        import httpx
+
+    request = httpx.Request("POST", "http://127.0.0.1:9/v1/audio/transcriptions")
+
+    def failure(status: int, message: str) -> openai.APIStatusError:
+        cls = openai.InternalServerError if status >= 500 else openai.BadRequestError
+        return cls(message, response=httpx.Response(status, request=request), body={"message": message})
+
+    url = "http://127.0.0.1:9/v1"
+    assert error_sentence(failure(500, "tuple index out of range"), url) == \
+        f"The server at {url} failed on this request (HTTP 500: tuple index out of range)."
+    assert error_sentence(failure(400, "Invalid or unsupported audio file."), url) == \
+        "Invalid or unsupported audio file."
