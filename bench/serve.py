@@ -134,6 +134,21 @@ def measure(server, model: str, widths: list[int], tokens: int) -> list[dict]:
     return rows
 
 
+def drafting(url: str) -> str:
+    """What cadence serve's drafter did over the whole run, from its /metrics counters."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as answer:
+        counts = {s.name: s.value for family in text_string_to_metric_families(answer.read().decode())
+                  for s in family.samples if s.name.startswith("cadence:spec_decode_num_") and "per_pos" not in s.name}
+    drafts = counts.get("cadence:spec_decode_num_draft_tokens_total", 0)
+    accepted = counts.get("cadence:spec_decode_num_accepted_tokens_total", 0)
+    return (f"{drafts:.0f} tokens drafted, {accepted:.0f} accepted ({accepted / drafts:.0%})" if drafts
+            else "nothing drafted")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", default="1,8,32,64")
@@ -178,7 +193,8 @@ def main() -> int:
 
                     with urllib.request.urlopen(server.url + "/slots", timeout=30) as answer:
                         slots = json.loads(answer.read())
-                    print(f"cadence serve's lane width: {len(slots)}", file=sys.stderr, flush=True)
+                    print(f"cadence serve's lane width: {len(slots)}; {drafting(server.url)}", file=sys.stderr,
+                          flush=True)
         except RuntimeError as exc:
             print(f"{key}: {str(exc).splitlines()[0]}", file=sys.stderr)
     print("| server | clients | aggregate tok/s | TTFT p50 / p99 (s) | per-token p50 / p99 (ms) | answered | "

@@ -11,6 +11,8 @@ import time
 import urllib.error
 import urllib.request
 
+from bench.servers import STOPS_WITH_PARENT
+
 LOAD_S = 900  # models convert, calibrate and load on first use: minutes on a busy 2-core machine
 
 
@@ -25,18 +27,13 @@ def status(url: str, data: bytes | None = None, headers: dict | None = None) -> 
         return 0
 
 
-# Runs the server after asking Linux to SIGTERM it when the test process that started it dies, even by SIGKILL
-# (kept across exec): a run killed from outside skips the fixture's teardown, and its server went on holding memory.
-STOPS_WITH_PARENT = ("import ctypes, os, signal, sys\n"
-                     "if sys.platform.startswith('linux'): ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
-                     "os.execv(sys.executable, [sys.executable, '-m', 'app.cli', *sys.argv[1:]])")
-
-
 def start_server(tmp_path_factory, key: str, *flags: str, data=None):
     """`cadence serve --port 0` with its own data folder (``data``, or a new one) and API key, once /health says its
     models are loaded: (process, base URL, the lines of its stderr so far and to come)."""
     env = dict(os.environ, CADENCE_DATA_DIR=str(data or tmp_path_factory.mktemp("serve-data")))
-    proc = subprocess.Popen([sys.executable, "-c", STOPS_WITH_PARENT, "serve", "--port", "0", "--api-key", key, *flags],
+    # (stopped by Linux when the test process dies, even killed from outside: its teardown would not run)
+    proc = subprocess.Popen([sys.executable, "-c", STOPS_WITH_PARENT, sys.executable, "-m", "app.cli", "serve",
+                             "--port", "0", "--api-key", key, *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     lines: list[str] = []
     try:

@@ -163,3 +163,40 @@ def test_the_app_on_vllm_transcribes_two_files_as_vllm_answers_them(vllm_whisper
         assert mine["model"] == WHISPER and mine["text"] == want["text"]
         assert [(s["start"], s["end"], s["text"]) for s in mine["segments"]] == want["segments"]
         assert (tmp_path / "out" / f"{name}.txt").read_text(encoding="utf-8").split() == want["text"].split()
+
+
+def test_a_server_stops_when_the_process_that_started_it_is_killed():
+    """A benchmark or test run killed from outside skips its teardown: the servers it started (vLLM's, llama.cpp's,
+    cadence serve) are stopped by Linux all the same, rather than left holding gigabytes. Here the server is
+    Python's own http.server, started through bench.servers.Server by a process then SIGKILLed."""
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    parent = subprocess.Popen([sys.executable, "-c", (
+        f"import sys, time\nsys.path.insert(0, {str(root)!r})\nfrom bench.servers import Server, free_port\n"
+        "port = free_port()\n"
+        "server = Server('http', [sys.executable, '-m', 'http.server', str(port), '--bind', '127.0.0.1'], port,"
+        " health='/').__enter__()\n"
+        "print(server.process.pid, flush=True)\ntime.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+
+    def running(pid: int) -> bool:  # (a zombie waiting for its reaper is not running)
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    pid = None
+    try:
+        pid = int(parent.stdout.readline())
+        assert running(pid)
+        parent.kill()
+        parent.wait(30)
+        deadline = time.monotonic() + 30
+        while running(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(pid)
+    finally:
+        parent.kill()
+        if pid is not None and running(pid):  # (the failure above: not left behind either)
+            os.kill(pid, 9)
