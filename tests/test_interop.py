@@ -3,8 +3,9 @@ registry's SmolLM2 Q4_1 GGUF) and vLLM's CPU build (its own venv, serving the sa
 converts the GGUF into, started once for the module). The command line chats through each with ``--server``, and
 the app's remote mode through vLLM; what Cadence streams and stores is exactly what the server answers when asked
 directly. A second vLLM serves whisper-base (multilingual; the folder Cadence converts from CTranslate2), and the
-command line and the app's queue transcribe through it, equal to its own verbose_json answers. (The app's test on
-llama.cpp's server is in test_app_remote.py.)"""
+command line and the app's queue transcribe through it, equal to its own verbose_json answers. Last, a server started
+through bench.servers does not outlive a killed parent. (The app's test on llama.cpp's server is in
+test_app_remote.py.)"""
 
 import json
 import os
