@@ -9,11 +9,14 @@ prefilling or verifying drafts), so a step's time is mostly reading the weights.
 - ``bfloat16``: weights and activations in bfloat16 (half the bytes to read; AMX or AVX512-BF16
   matrix units where the CPU has them), the same oneDNN packed layout. Offered only where the
   processor has bfloat16 instructions (or a GPU supports it).
-- ``int8``: weight-only, per output channel, symmetric (``w = q * scale``), activations in
-  bfloat16 where the CPU has bfloat16 instructions (else float32): a quarter of float32's bytes.
-  ``torch.ops.aten._weight_int8pack_mm`` computes it without making a dequantized copy. Its input is
-  rounded to bfloat16 where that runs faster on this machine (measured once, :func:`int8_input_dtype`:
-  on an AVX2-only AMD EPYC its float32 path is a scalar loop, 17x slower at 38 rows).
+- ``int8``: weight-only, symmetric (``w = q * scale``), a quarter of float32's bytes. On CPU, where the
+  machine has a C compiler, in groups of 32 inputs per scale (llama.cpp's Q8_0 grouping) computed by
+  :mod:`engine.native`'s kernel with float32 activations: built here for this processor, it reads the
+  int8 weights once per call for every row. Elsewhere (no compiler, a GPU), one scale per output
+  channel and ``torch.ops.aten._weight_int8pack_mm``, activations in bfloat16 where the CPU has
+  bfloat16 instructions (else float32); its input is rounded to bfloat16 where that runs faster on
+  this machine (measured once, :func:`int8_input_dtype`: on an AVX2-only AMD EPYC its float32 path is
+  a scalar loop, 17x slower at 38 rows).
 
 Every kernel here gives a row the same result whatever other rows share the call: where a kernel
 would not (it changes its summation order with the row count on some CPUs), its calls are padded or
@@ -100,9 +103,26 @@ def attention_dtype(precision: str, device: str | torch.device) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------- int8 weights
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per output channel, symmetric: (q [out, in] int8, scale [out] float32) with weight ~ q * scale."""
+def int8_group(in_features: int, device: str | torch.device) -> int:
+    """Inputs per int8 scale for a layer on this device: the native kernel's group where it runs the
+    layer, else 0 (one scale per output channel, PyTorch's kernel)."""
+    from engine import native
+
+    if torch.device(device).type == "cpu" and native.int8_fits(in_features):
+        return native.int8_group()
+    return 0
+
+
+def quantize_int8(weight: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8: (q [out, in] int8, scale) with weight ~ q * scale. ``group`` 0: one scale per
+    output channel (scale [out]); else one per ``group`` consecutive inputs (scale [out, in / group])."""
     weight = weight.detach().float()
+    if group:
+        out, size = weight.shape
+        blocks = weight.reshape(out, size // group, group)
+        scale = blocks.abs().amax(dim=2).clamp(min=1e-12) / 127.0
+        q = torch.round(blocks / scale[..., None]).clamp_(-127, 127).to(torch.int8).reshape(out, size)
+        return q.contiguous(), scale.contiguous()
     scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
     q = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scale
@@ -156,6 +176,13 @@ def _time_int8_inputs() -> str:
     return "bfloat16" if seconds[torch.bfloat16] < 0.5 * seconds[torch.float32] else "float32"
 
 
+def _per_input(scale: torch.Tensor, in_features: int) -> torch.Tensor:
+    """A scale of either int8 layout, spread to one value per weight column."""
+    if scale.dim() == 1:
+        return scale.float()[:, None]
+    return scale.float().repeat_interleave(in_features // scale.shape[1], dim=1)
+
+
 def _can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
@@ -178,15 +205,24 @@ class Linear:
         self.dtype = activation_dtype(precision, self.device)
         self.bias = bias.detach().to(self.dtype).contiguous() if bias is not None else None
         self.packed = self.weight = self.q = self.scale = None
+        self.native = False  # the group-wise int8 kernel built for this machine (engine.native)
         self.rows_rule = (1, 1 << 30)
         self.kernel_dtype = self.dtype  # what the kernel is given its rows in
         if precision == "int8":
-            q, scale = quantized if quantized is not None else quantize_int8(weight)
-            self.kernel_dtype = int8_input_dtype(self.device)
+            group = int8_group(self.in_features, self.device)
+            if quantized is None or (quantized[1].dim() == 2) != bool(group):  # none yet, or made for the other kernel
+                if weight is None:
+                    weight = quantized[0].float() * _per_input(quantized[1], self.in_features)
+                quantized = quantize_int8(weight, group)
+            q, scale = quantized
+            self.native = bool(group)
+            self.kernel_dtype = torch.float32 if self.native else int8_input_dtype(self.device)
             # Fresh copies: a tensor read from a file may sit at an address the kernel's aligned loads fault on.
             self.q = q.to(self.device).contiguous().clone()
             self.scale = scale.to(self.device, self.kernel_dtype).contiguous().clone()
-            if self.device.type != "cpu" and not _int8_kernel_works(self.q, self.scale):
+            if self.native:
+                self.bias = self.bias.float() if self.bias is not None else None
+            elif self.device.type != "cpu" and not _int8_kernel_works(self.q, self.scale):
                 self.weight = (self.q.to(self.dtype) * self.scale[:, None]).contiguous()  # dequantized once
                 self.q = None
         else:
@@ -203,6 +239,8 @@ class Linear:
                    self.q is not None, self.packed is not None, self.bias is not None)
             if self.kernel_dtype != self.dtype:
                 key += (self.kernel_dtype,)
+            if self.native:
+                key += ("native",)
             self.rows_rule = known_row_rule(key, lambda: row_rule(self._raw, self.in_features, self.dtype, self.device))
 
     @property
@@ -214,6 +252,10 @@ class Linear:
 
     def _raw(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel itself on [rows, in] (no padding or chunking)."""
+        if self.native:
+            from engine import native
+
+            return native.int8_linear(x.float().contiguous(), self.q, self.scale, self.bias).to(self.dtype)
         if self.q is not None:
             y = torch.ops.aten._weight_int8pack_mm(x.to(self.kernel_dtype).contiguous(), self.q, self.scale).to(self.dtype)
             return y + self.bias if self.bias is not None else y

@@ -1,7 +1,8 @@
 """A model's weight matrices in the chosen precision, the way a family's decoder asks for them.
 
-int8 weights are made once per model file (per-channel symmetric quantization) and kept as one
-safetensors file in the user cache directory (``quantized/<model key>-int8-v1.safetensors``),
+int8 weights are made once per model file (symmetric, in the layout this machine's int8 kernel reads:
+groups of 32 inputs per scale, or one scale per output channel; see :mod:`engine.kernels`) and kept as
+one safetensors file in the user cache directory (``quantized/<model key>-int8-v2.safetensors``),
 so later loads read them instead of quantizing again. float32 and bfloat16 are plain conversions
 of the loaded weights and are not cached.
 """
@@ -14,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels import Linear, quantize_int8
+from engine.kernels import Linear, int8_group, quantize_int8
 from engine.paths import cache_dir
 
 log = logging.getLogger(__name__)
-INT8_VERSION = 1
+INT8_VERSION = 2  # 2: group-wise scales where the native kernel runs
 
 
 def int8_cache_path(loaded) -> Path:
@@ -51,8 +52,10 @@ class WeightPrep:
 
     def _int8(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q, scale = self.stored.get(f"{name}.q"), self.stored.get(f"{name}.scale")
-        if q is None or scale is None or tuple(q.shape) != tuple(weight.shape):
-            q, scale = quantize_int8(weight)
+        group = int8_group(weight.shape[1], weight.device)
+        layout = (weight.shape[0], weight.shape[1] // group) if group else (weight.shape[0],)
+        if q is None or scale is None or tuple(q.shape) != tuple(weight.shape) or tuple(scale.shape) != layout:
+            q, scale = quantize_int8(weight, group)
             self.made[f"{name}.q"], self.made[f"{name}.scale"] = q, scale
         return q, scale
 

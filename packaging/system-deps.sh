@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Debian packages Cadence needs outside Python: speech synthesis and conversion for the tests
-# (espeak-ng, sox), PortAudio for recording, Xvfb for screenshots, and the libraries Qt's xcb and
-# offscreen platforms load. Installs the missing ones when run as root; otherwise says what to install.
+# (espeak-ng, sox), a C compiler (the int8 kernel, engine/native), PortAudio for recording, Xvfb for
+# screenshots, and the libraries Qt's xcb and offscreen platforms load. Installs the missing ones when run as root; otherwise says what to install.
 set -euo pipefail
 
 declare -A lib_pkg=(
@@ -23,7 +23,7 @@ declare -A lib_pkg=(
   [libxcb-randr.so.0]=libxcb-randr0
   [libX11-xcb.so.1]=libx11-xcb1
 )
-declare -A cmd_pkg=([espeak-ng]=espeak-ng [sox]=sox [xvfb-run]=xvfb [xauth]=xauth)
+declare -A cmd_pkg=([espeak-ng]=espeak-ng [sox]=sox [xvfb-run]=xvfb [xauth]=xauth [gcc]=gcc)
 
 missing=()
 for cmd in "${!cmd_pkg[@]}"; do

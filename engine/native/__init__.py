@@ -1,0 +1,119 @@
+"""Small C kernels built on the user's machine, for what PyTorch's CPU kernels do slowly.
+
+Today one: ``int8_linear.c``, the group-wise int8 weight-only matrix product int8 precision uses on CPU
+(see :mod:`engine.kernels`). It is compiled once per machine with the system C compiler and
+``-march=native`` (so it uses the vector instructions this processor has, whatever they are) into the
+user cache, keyed by the source, the compiler and the processor's flags, and loaded with ctypes (which
+releases the GIL during each call). Its OpenMP threads are PyTorch's own: the library asks for
+``libgomp.so.1``, which the loader finds already loaded from PyTorch's folder.
+
+Where no compiler is found, or it fails, :func:`int8_library` answers None (once logged) and int8
+falls back to PyTorch's per-channel kernel. ``CADENCE_NATIVE=0`` turns these kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("int8_linear.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_LOADED: list = []  # [library or None], once per process
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build(compiler: str) -> Path:
+    """The compiled library in the cache (built now if this source, compiler and processor have none)."""
+    from engine.filelock import held
+    from engine.paths import cache_dir
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), _cpu_flags()])
+                         .encode()).hexdigest()[:16]
+    path = cache_dir() / "native" / f"int8_linear-{key}.so"
+    if path.is_file():
+        return path
+    with held(path):  # one process compiles; another waiting here then finds the file
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+            done = subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)],
+                                  capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                partial.unlink(missing_ok=True)
+                raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output")
+            os.replace(partial, path)
+    return path
+
+
+def int8_library():
+    """The int8 kernel library (ctypes) built for this machine, or None where it cannot be built."""
+    if _LOADED:
+        return _LOADED[0]
+    library = None
+    compiler = _compiler()
+    if os.environ.get("CADENCE_NATIVE", "1") == "0":
+        log.info("Native kernels are turned off (CADENCE_NATIVE=0).")
+    elif compiler is None:
+        log.warning("No C compiler found: int8 uses PyTorch's slower per-channel kernel on this machine.")
+    else:
+        import torch  # noqa: F401  (loads PyTorch's OpenMP runtime first, so the library shares its threads)
+
+        try:
+            library = ctypes.CDLL(str(_build(compiler)))
+            fn = library.cadence_int8_linear
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+            for name in ("cadence_int8_group", "cadence_int8_max_in", "cadence_int8_simd"):
+                getattr(library, name).restype = ctypes.c_int
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            log.warning("The int8 kernel could not be built here (%s): int8 uses PyTorch's per-channel kernel.", exc)
+            library = None
+    _LOADED.append(library)
+    return library
+
+
+def int8_group() -> int:
+    """Inputs per int8 scale in the native kernel (0 where there is no native kernel)."""
+    library = int8_library()
+    return library.cadence_int8_group() if library is not None else 0
+
+
+def int8_linear(x, q, scale, bias=None):
+    """``x @ (q * scale per group).T + bias`` for float32 CPU tensors x [rows, in], q [out, in] int8,
+    scale [out, in / group] float32, bias [out] or None: a new float32 [rows, out]."""
+    import torch
+
+    library = int8_library()
+    rows, out = x.shape[0], q.shape[0]
+    y = torch.empty(rows, out, dtype=torch.float32)
+    if rows:
+        library.cadence_int8_linear(x.data_ptr(), rows, x.shape[1], q.data_ptr(), scale.data_ptr(),
+                                    bias.data_ptr() if bias is not None else None, out, y.data_ptr())
+    return y
+
+
+def int8_fits(in_features: int) -> bool:
+    """Whether the native kernel takes a layer with this many inputs."""
+    library = int8_library()
+    return (library is not None and in_features % library.cadence_int8_group() == 0
+            and in_features <= library.cadence_int8_max_in())

@@ -1,0 +1,117 @@
+/* Weight-only int8 matrix product for decoding on CPU: y[r, o] = bias[o] + sum_i x[r, i] * q[o, i] * scale[o, i / 32].
+ *
+ * Weights are int8 in groups of 32 along the input, one float scale per group (what llama.cpp calls
+ * Q8_0); activations stay float32. Each output channel is dequantized once per call into a small
+ * float buffer (L1-resident), then dotted with every row. Each (row, output) sum is computed by one
+ * thread in one fixed order (one 8-lane sum over the input, then its lanes), whatever other rows share
+ * the call, so batched decoding equals serial decoding.
+ * Built on the user's machine with -march=native by engine/native, called through ctypes. */
+#include <stdint.h>
+
+#define GROUP 32
+#define OUT_CHUNK 16 /* outputs a thread takes at a time */
+#define MAX_IN 8192
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SIMD 1
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+static void dequantize(const int8_t *q, const float *s, long in, float *w) {
+    for (long g = 0; g < in / GROUP; g++) {
+        const __m256 scale = _mm256_broadcast_ss(s + g);
+        for (int k = 0; k < GROUP; k += 8) {
+            const __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + g * GROUP + k));
+            _mm256_storeu_ps(w + g * GROUP + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale));
+        }
+    }
+}
+
+/* tile_OB_RB: OB outputs (dequantized rows of w, `in` apart) against RB rows of x, one 8-lane sum per
+ * (output, row) over the input in order, so a row's arithmetic is the same in every tile shape. */
+#define DEFINE_TILE(OB, RB)                                                                          \
+    static void tile_##OB##_##RB(const float *w, const float *x, long in, float *y, long ldy) {       \
+        __m256 acc[OB][RB];                                                                          \
+        _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++)                                         \
+            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) acc[c][r] = _mm256_setzero_ps();    \
+        for (long i = 0; i < in; i += 8) {                                                           \
+            __m256 xv[RB];                                                                           \
+            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) xv[r] = _mm256_loadu_ps(x + r * in + i); \
+            _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++) {                                   \
+                const __m256 wv = _mm256_load_ps(w + c * in + i);                                    \
+                _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)                                 \
+                    acc[c][r] = _mm256_fmadd_ps(wv, xv[r], acc[c][r]);                               \
+            }                                                                                        \
+        }                                                                                            \
+        _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++)                                         \
+            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) y[r * ldy + c] = hsum(acc[c][r]);   \
+    }
+DEFINE_TILE(8, 1) DEFINE_TILE(4, 2) DEFINE_TILE(2, 3) DEFINE_TILE(2, 4)
+DEFINE_TILE(1, 1) DEFINE_TILE(1, 2) DEFINE_TILE(1, 3) DEFINE_TILE(1, 4)
+
+#define SHAPE(RB, OB)                                                                            \
+    case RB:                                                                                     \
+        for (; c + OB <= n_out; c += OB) tile_##OB##_##RB(w + c * in, xr, in, yr + c, ldy);      \
+        for (; c < n_out; c++) tile_1_##RB(w + c * in, xr, in, yr + c, ldy);                     \
+        break;
+
+/* n_out dequantized outputs (w: [n_out, in]) against every row of x; y[r * ldy + c]. */
+static void dot_rows(const float *w, long n_out, const float *x, long rows, long in, float *y, long ldy) {
+    for (long r0 = 0; r0 < rows; r0 += 4) {
+        const int n = rows - r0 < 4 ? (int)(rows - r0) : 4;
+        const float *xr = x + r0 * in;
+        float *yr = y + r0 * ldy;
+        long c = 0;
+        switch (n) {
+            SHAPE(1, 8) SHAPE(2, 4) SHAPE(3, 2) SHAPE(4, 2)
+        }
+    }
+}
+#else
+#define SIMD 0
+/* Without AVX2 and FMA: plain C, the same structure (32 lanes summed per row). */
+static void dequantize(const int8_t *q, const float *s, long in, float *w) {
+    for (long i = 0; i < in; i++) w[i] = (float)q[i] * s[i / GROUP];
+}
+
+static void dot_rows(const float *w, long n_out, const float *x, long rows, long in, float *y, long ldy) {
+    for (long c = 0; c < n_out; c++)
+        for (long r = 0; r < rows; r++) {
+            float lanes[8] = {0};
+            for (long i = 0; i < in; i++) lanes[i % 8] += w[c * in + i] * x[r * in + i];
+            y[r * ldy + c] = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+        }
+}
+#endif
+
+int cadence_int8_simd(void) { return SIMD; }
+
+int cadence_int8_group(void) { return GROUP; }
+
+int cadence_int8_max_in(void) { return MAX_IN; }
+
+/* x: [rows, in] float32, q: [out, in] int8, scale: [out, in / 32] float32, bias: [out] float32 or NULL,
+ * y: [rows, out] float32. `in` must be a multiple of 32 and at most MAX_IN. */
+void cadence_int8_linear(const float *x, long rows, long in, const int8_t *q, const float *scale,
+                         const float *bias, long out, float *y) {
+    const long groups = in / GROUP;
+#pragma omp parallel
+    {
+        static __thread float w[OUT_CHUNK * MAX_IN] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (long o0 = 0; o0 < out; o0 += OUT_CHUNK) {
+            const long n_out = o0 + OUT_CHUNK < out ? OUT_CHUNK : out - o0;
+            for (long c = 0; c < n_out; c++) dequantize(q + (o0 + c) * in, scale + (o0 + c) * groups, in, w + c * in);
+            dot_rows(w, n_out, x, rows, in, y + o0, out);
+            if (bias)
+                for (long r = 0; r < rows; r++)
+                    for (long o = o0; o < o0 + n_out; o++) y[r * out + o] += bias[o];
+        }
+    }
+}

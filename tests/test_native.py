@@ -1,0 +1,110 @@
+"""The int8 kernel built on this machine (engine/native): right sums, each row's result independent of
+the rows beside it (so batched decoding equals serial decoding in int8), and a clean fallback where it
+cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import native
+from engine.kernels import Linear, quantize_int8
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = [(960, 576, True), (576, 1536, False), (51, 64, True), (4099, 384, False)]  # odd output counts too
+
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    group = q.shape[1] // scale.shape[1]
+    return q.double() * scale.double().repeat_interleave(group, dim=1)
+
+
+def test_the_kernel_builds_here_with_vector_instructions():
+    library = native.int8_library()
+    assert library is not None, "a C compiler is installed by make setup: the kernel must build"
+    assert native.int8_group() == 32
+    assert library.cadence_int8_simd() == 1  # every CPU Cadence targets has AVX2 and FMA
+
+
+@pytest.mark.parametrize("out,size,with_bias", SHAPES)
+def test_sums_match_the_dequantized_weights(out, size, with_bias):
+    generator = torch.Generator().manual_seed(out)
+    weight = torch.randn(out, size, generator=generator) * 0.05
+    q, scale = quantize_int8(weight, 32)
+    assert scale.shape == (out, size // 32)
+    assert (dequantized(q, scale) - weight.double()).abs().max() <= scale.max() / 2 + 1e-7  # rounding, no worse
+    bias = torch.randn(out, generator=generator) if with_bias else None
+    for rows in (1, 2, 3, 4, 5, 8, 13):
+        x = torch.randn(rows, size, generator=generator)
+        y = native.int8_linear(x, q, scale, bias)
+        expected = x.double() @ dequantized(q, scale).T + (bias.double() if with_bias else 0)
+        assert y.dtype == torch.float32 and y.shape == (rows, out)
+        assert torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-4), (rows, (y.double() - expected).abs().max())
+
+
+@pytest.mark.parametrize("out,size,with_bias", SHAPES[:2])
+def test_a_row_gets_the_same_bits_whatever_rows_share_the_call(out, size, with_bias):
+    generator = torch.Generator().manual_seed(1)
+    layer = Linear(torch.randn(out, size, generator=generator) * 0.05,
+                   torch.randn(out, generator=generator) if with_bias else None, "int8")
+    assert layer.native and layer.rows_rule == (1, 1 << 30)  # no padding or chunking needed
+    x = torch.randn(37, size, generator=generator)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    for rows in (2, 3, 4, 5, 7, 8, 9, 16, 37):
+        together = torch.cat([layer(chunk) for chunk in x.split(rows)])
+        assert torch.equal(together, alone), rows
+    assert torch.equal(layer(x[5:12]), alone[5:12])  # calls that start at another row
+
+
+def test_per_channel_weights_are_regrouped_for_the_native_kernel():
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(2))
+    old = quantize_int8(weight)  # one scale per output channel, as int8 caches before version 2 held
+    layer = Linear(None, None, "int8", quantized=old)
+    assert layer.native and layer.scale.shape == (64, 4)
+    x = torch.randn(3, 128)
+    assert close(layer(x), x @ weight.T)
+
+
+def close(y: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Within int8's rounding: the error's norm under 2% of the result's."""
+    return bool((y - expected).norm() <= 0.02 * expected.norm())
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+
+
+CHECK = ("import logging, torch; logging.basicConfig(level=logging.INFO, format='%(message)s');"
+         "from engine.kernels import Linear; w = torch.randn(96, 64);"
+         "layer = Linear(w, None, 'int8'); x = torch.randn(2, 64);"
+         "print('native', layer.native, bool((layer(x) - x @ w.T).norm() <= 0.02 * (x @ w.T).norm()))")
+
+
+def test_without_a_compiler_int8_falls_back_to_pytorchs_kernel(tmp_path):
+    done = _python(CHECK, CC="/bin/false", CADENCE_CACHE_DIR=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "native False True"
+    assert "The int8 kernel could not be built here" in done.stderr and "Traceback" not in done.stderr
+    assert not list((tmp_path / "native").glob("*.so"))
+
+
+def test_native_kernels_can_be_turned_off(tmp_path):
+    done = _python(CHECK, CADENCE_NATIVE="0", CADENCE_CACHE_DIR=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "native False True"
+    assert "Native kernels are turned off (CADENCE_NATIVE=0)." in done.stderr
+
+
+def test_the_library_is_built_once_per_machine_and_reused(tmp_path):
+    first = _python("from engine import native; print(native.int8_library() is not None)", CADENCE_CACHE_DIR=str(tmp_path))
+    built = sorted((tmp_path / "native").glob("*.so"))
+    again = _python("from engine import native; print(native.int8_library() is not None)", CADENCE_CACHE_DIR=str(tmp_path))
+    assert first.stdout.strip() == again.stdout.strip() == "True", first.stderr + again.stderr
+    assert len(built) == 1 and sorted((tmp_path / "native").glob("*.so")) == built
+    assert built[0].stat().st_mtime_ns == sorted((tmp_path / "native").glob("*.so"))[0].stat().st_mtime_ns
