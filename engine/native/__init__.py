@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib
 import logging
 import os
 import shutil
@@ -75,7 +76,7 @@ def int8_library():
     elif compiler is None:
         log.warning("No C compiler found: int8 uses PyTorch's slower per-channel kernel on this machine.")
     else:
-        import torch  # noqa: F401  (loads PyTorch's OpenMP runtime first, so the library shares its threads)
+        importlib.import_module("torch")  # loads PyTorch's OpenMP runtime first, so the library shares its threads
 
         try:
             library = ctypes.CDLL(str(_build(compiler)))
