@@ -10,7 +10,7 @@
 
 #define GROUP 32
 #define OUT_CHUNK 16 /* outputs a thread takes at a time */
-#define MAX_IN 8192
+#define MAX_IN 16384 /* inputs per layer (a 7B model's widest is 14336) */
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
