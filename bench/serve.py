@@ -251,6 +251,7 @@ def main() -> int:
         for r in rows:
             print(f"| {r['server']} | {r['clients']} | {r['tok_s']:.1f} | {' / '.join(map(str, r['rounds']))} | "
                   f"{r['answered']}/{r['requests']} | {r['greedy_equal']}/{r['answered']} |")
+        print_lost(rows)
         write_json(args.json, rows)
         return 0
     print("| server | clients | aggregate tok/s | TTFT p50 / p99 (s) | per-token p50 / p99 (ms) | answered | "
@@ -260,11 +261,16 @@ def main() -> int:
         print(f"| {r['server']} | {r['clients']} | {r['tok_s']:.1f} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | "
               f"{1000 * r['tpot_p50']:.0f} / {1000 * r['tpot_p99']:.0f} | {r['answered']}/{r['clients']} | "
               f"{r['greedy_equal']}/{r['answered']} |")
+    print_lost(rows)
+    write_json(args.json, rows)
+    return 0
+
+
+def print_lost(rows: list[dict]) -> None:
+    """Each row's lost requests, with one of the errors they got."""
     for r in rows:
         if r["errors"]:
             print(f"\n{r['server']} N={r['clients']}: {r['lost']} lost, e.g. {r['errors'][0]}")
-    write_json(args.json, rows)
-    return 0
 
 
 def report_cadence(server) -> None:
