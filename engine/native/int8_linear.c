@@ -1,8 +1,8 @@
 /* Weight-only int8 matrix product for decoding on CPU: y[r, o] = bias[o] + sum_i x[r, i] * q[o, i] * scale[o, i / 32].
  *
  * Weights are int8 in groups of 32 along the input, one float scale per group (what llama.cpp calls
- * Q8_0); activations stay float32. Each output channel is dequantized once per call into a small
- * float buffer (L1-resident), then dotted with every row. Each (row, output) sum is computed by one
+ * Q8_0); activations stay float32. Each output channel is dequantized once per call into a per-thread
+ * float buffer (16 channels: L1/L2-sized), then dotted with every row. Each (row, output) sum is computed by one
  * thread in one fixed order (one 8-lane sum over the input, then its lanes), whatever other rows share
  * the call, so batched decoding equals serial decoding.
  * Built on the user's machine with -march=native by engine/native, called through ctypes. */
@@ -75,7 +75,7 @@ static void dot_rows(const float *w, long n_out, const float *x, long rows, long
 }
 #else
 #define SIMD 0
-/* Without AVX2 and FMA: plain C, the same structure (32 lanes summed per row). */
+/* Without AVX2 and FMA: plain C, the same structure (8 lanes summed per row, then combined). */
 static void dequantize(const int8_t *q, const float *s, long in, float *w) {
     for (long i = 0; i < in; i++) w[i] = (float)q[i] * s[i / GROUP];
 }
