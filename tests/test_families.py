@@ -162,6 +162,26 @@ def test_reduced_precisions_run_and_keep_batched_equal_to_serial(tiny, i, name):
     assert all(len(tokens) == MAX_TOKENS for tokens in batched)
 
 
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_int8s_fused_layer_ops_compute_what_pytorchs_ops_do(tiny, name):
+    """int8 on the native kernel runs its residual adds, norms and rotary in C (engine/native/
+    layer_ops.c): the logits of a ragged prefill and a decode step are PyTorch's, to float rounding,
+    in every family's layout (q/k norms, Gemma's extra norms, a partly rotated head)."""
+    model = tiny(name)
+    decoder = decoder_class(model.loaded)(model.loaded, width=3, precision="int8")
+    assert decoder._fused_ops  # tiny layers fit the native kernel, which make setup builds
+    ids = [model.ids(text) for text in PROMPTS[:3]]
+    steps = [StepBatch.build([0, 1, 2], ids, [0, 0, 0]),
+             StepBatch.build([0, 2], [[5], [7]], [len(ids[0]), len(ids[2])])]
+    for batch in steps:
+        got = {}
+        for fused in (True, False):
+            decoder._fused_ops = fused
+            got[fused] = decoder.forward(batch)
+        assert torch.allclose(got[True], got[False], rtol=1e-4, atol=1e-4), (got[True] - got[False]).abs().max()
+        decoder._fused_ops = True  # the decode step reads the cache the fused prefill wrote
+
+
 # ---------------------------------------------------------------- rope scaling, long context
 @pytest.mark.parametrize("name, limit", [("llama3-rope", 256), ("qwen2-yarn", 192), ("phi4-mini-longrope", 256)])
 def test_rope_scaling_is_exact_past_the_original_context(engine, tiny, name, limit):

@@ -108,3 +108,38 @@ def test_the_library_is_built_once_per_machine_and_reused(tmp_path):
     assert first.stdout.strip() == again.stdout.strip() == "True", first.stderr + again.stderr
     assert len(built) == 1 and sorted((tmp_path / "native").glob("*.so")) == built
     assert built[0].stat().st_mtime_ns == sorted((tmp_path / "native").glob("*.so"))[0].stat().st_mtime_ns
+
+
+def test_fused_norm_and_rotary_compute_what_pytorchs_ops_do_row_by_row():
+    """The int8 path's fused layer ops (engine/native/layer_ops.c): x + h with the RMS norm after it,
+    and rotate_half rotary at each row's position, equal PyTorch's to float rounding, and a row gets
+    the same bits alone as among others."""
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(3)
+    rows, d, heads, dim = 9, 576, 12, 64
+    x, h = torch.randn(rows, d, generator=generator), torch.randn(rows, d, generator=generator)
+    weight = torch.randn(d, generator=generator)
+    total, normed = native.add_rms_norm(x, h, weight, 1e-5)
+    assert torch.allclose(total, x + h) and torch.allclose(normed, F.rms_norm(x + h, (d,), weight, 1e-5), atol=1e-5)
+    same, alone = native.add_rms_norm(x, None, weight, 1e-5)
+    assert same is x and torch.allclose(alone, F.rms_norm(x, (d,), weight, 1e-5), atol=1e-5)
+    for i in range(rows):
+        assert torch.equal(native.add_rms_norm(x[i : i + 1], h[i : i + 1], weight, 1e-5)[1], normed[i : i + 1])
+
+    angles = torch.rand(40, dim // 2, generator=generator) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1).contiguous(), torch.cat([angles.sin()] * 2, -1).contiguous()
+    positions = torch.randint(0, 40, (rows,), generator=generator)
+    qkv = torch.randn(rows, heads * dim + 3 * dim, generator=generator)  # q and k heads, then v (left alone)
+    qk = qkv[:, : heads * dim].view(rows, heads, dim)
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    expected = qk * c + torch.cat((-qk[..., dim // 2 :], qk[..., : dim // 2]), dim=-1) * s
+    v = qkv[:, heads * dim :].clone()
+    rotated = qkv.clone()
+    native.rotary(rotated, heads, cos, sin, positions)
+    assert torch.allclose(rotated[:, : heads * dim].view(rows, heads, dim), expected, atol=1e-5)
+    assert torch.equal(rotated[:, heads * dim :], v)
+    for i in range(rows):
+        one = qkv[i : i + 1].clone()
+        native.rotary(one, heads, cos, sin, positions[i : i + 1])
+        assert torch.equal(one, rotated[i : i + 1])

@@ -117,6 +117,10 @@ class DecoderOnly(BatchedDecoder):
         self._switch: int | None = None  # longrope: where a sequence's long factors take over
         self._qk = (self.heads + self.kv_heads) * self.head_dim  # q and k, normed and rotated together
         self._ffn = self.layers[0].down.in_features
+        # int8 on the native kernel keeps float32 activations: its residual adds, norms and rotary run
+        # fused in C too (engine/native/layer_ops.c); the other precisions keep PyTorch's ops.
+        self._fused_ops = self.dtype == torch.float32 and all(
+            m.native for layer in self.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down))
         self.allocate(width)
 
     # ------------------------------------------------------------------ hooks (a family changes these)
@@ -219,13 +223,28 @@ class DecoderOnly(BatchedDecoder):
         turned = torch.cat((-part[..., half:], part[..., :half]), dim=-1)
         return torch.cat((part * cos + turned * sin, qk[..., rot:]), dim=-1)
 
+    def _add_norm(self, x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + h, its RMS norm by ``weight``); h None: (x, x's norm)."""
+        if self._fused_ops:
+            from engine import native
+
+            return native.add_rms_norm(x, h, weight, self.eps)
+        if h is not None:
+            x = x + h
+        return x, self._norm(x, weight)
+
     def _qkv(self, layer: Layer, qkv: torch.Tensor, turns: dict) -> tuple[torch.Tensor, ...]:
         """q, k (normed per head where the model does, then rotated) and v, as [R, heads, D] each."""
         R, D = qkv.shape[0], self.head_dim
         qk = qkv[:, : self._qk].view(R, self.heads + self.kv_heads, D)
         if layer.qk_norm is not None:
             qk = F.rms_norm(qk, (D,), None, self.eps) * layer.qk_norm
-        if layer.rope is not None:
+        if layer.rope is not None and layer.rope not in turns:  # fused: rotated where it lies
+            from engine import native
+
+            native.rotary(qk.view(R, -1) if qk.is_contiguous() else qkv, self.heads + self.kv_heads,
+                          *self.tables[layer.rope], turns["rows"])  # in place: qk is this step's own
+        elif layer.rope is not None:
             qk = self._rotate(qk, *turns[layer.rope])
         v = qkv[:, self._qk :].view(R, self.kv_heads, D)
         return qk[:, : self.heads], qk[:, self.heads :], v
@@ -252,22 +271,30 @@ class DecoderOnly(BatchedDecoder):
         if self.embed_scale is not None:
             x = x * self.embed_scale
         x = x.to(self.dtype)
-        turns = {kind: (cos[table_rows][:, None, :], sin[table_rows][:, None, :])
-                 for kind, (cos, sin) in self.tables.items()}
+        # each rotary table's (cos, sin) at the rows' positions; the fused rotary (whole heads) reads
+        # the tables itself, at "rows"
+        turns = {"rows": table_rows.contiguous() if self._fused_ops else None}
+        for kind, (cos, sin) in self.tables.items():
+            if turns["rows"] is None or cos.shape[-1] != self.head_dim:
+                turns[kind] = (cos[table_rows][:, None, :], sin[table_rows][:, None, :])
         masks = {None: batch.blocked}
         for window in self._windows:
             masks[window] = batch.window_blocked(window)
+        x, normed = self._add_norm(x, None, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, layer.qkv(self._norm(x, layer.input_norm)), turns)
+            q, k, v = self._qkv(layer, layer.qkv(normed), turns)
             h = layer.out(attend(q, k, v, self.cache, i, batch, masks[layer.window], self.scale, self.softcap))
             if layer.attn_out_norm is not None:
                 h = self._norm(h, layer.attn_out_norm)
-            x = x + h
-            gate, up = layer.gate_up(self._norm(x, layer.ffn_norm)).split(self._ffn, dim=-1)
+            x, normed = self._add_norm(x, h, layer.ffn_norm)
+            gate, up = layer.gate_up(normed).split(self._ffn, dim=-1)
             h = layer.down(self.activation(gate) * up)
             if layer.ffn_out_norm is not None:
                 h = self._norm(h, layer.ffn_out_norm)
-            x = x + h
+            if i + 1 < len(self.layers):  # the next layer's input norm with this residual add
+                x, normed = self._add_norm(x, h, self.layers[i + 1].input_norm)
+            else:
+                x = x + h
         return x
 
     # ------------------------------------------------------------------ longrope past the original context

@@ -1,7 +1,9 @@
 """Small C kernels built on the user's machine, for what PyTorch's CPU kernels do slowly.
 
-Today one: ``int8_linear.c``, the group-wise int8 weight-only matrix product int8 precision uses on CPU
-(see :mod:`engine.kernels`). It is compiled once per machine with the system C compiler and
+``int8_linear.c``: the group-wise int8 weight-only matrix product int8 precision uses on CPU (see
+:mod:`engine.kernels`); ``layer_ops.c``: the residual add with the RMS norm after it, and the rotary
+embedding, fused for the same precision's float32 activations (see :mod:`engine.families.decoder`).
+Both go into one library, compiled once per machine with the system C compiler and
 ``-march=native`` (so it uses the vector instructions this processor has, whatever they are) into the
 user cache, keyed by the source, the compiler and the processor's flags, and loaded with ctypes (which
 releases the GIL during each call). Its OpenMP threads are PyTorch's own: the library asks for
@@ -24,7 +26,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("int8_linear.c")
+SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _LOADED: list = []  # [library or None], once per process
 
@@ -47,16 +49,16 @@ def _build(compiler: str) -> Path:
     from engine.paths import cache_dir
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), _cpu_flags()])
-                         .encode()).hexdigest()[:16]
-    path = cache_dir() / "native" / f"int8_linear-{key}.so"
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), compiler, version, " ".join(FLAGS),
+                                     _cpu_flags()]).encode()).hexdigest()[:16]
+    path = cache_dir() / "native" / f"cadence-native-{key}.so"
     if path.is_file():
         return path
     with held(path):  # one process compiles; another waiting here then finds the file
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-            done = subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)],
+            done = subprocess.run([compiler, *FLAGS, "-o", str(partial), *map(str, SOURCES)],
                                   capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 partial.unlink(missing_ok=True)
@@ -86,6 +88,11 @@ def int8_library():
                            ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
             for name in ("cadence_int8_group", "cadence_int8_max_in", "cadence_int8_simd"):
                 getattr(library, name).restype = ctypes.c_int
+            library.cadence_add_rms_norm.restype = library.cadence_rotary.restype = None
+            library.cadence_add_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                                                     ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+            library.cadence_rotary.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                                               ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             log.warning("The int8 kernel could not be built here (%s): int8 uses PyTorch's per-channel kernel.", exc)
             library = None
@@ -118,3 +125,25 @@ def int8_fits(in_features: int) -> bool:
     library = int8_library()
     return (library is not None and in_features % library.cadence_int8_group() == 0
             and in_features <= library.cadence_int8_max_in())
+
+
+def add_rms_norm(x, h, weight, eps: float):
+    """(x + h, rms_norm(x + h) * weight) for float32 CPU rows x, h [rows, d] (contiguous), weight [d];
+    with h None, (x, rms_norm(x) * weight). New tensors; x and h are left as they are."""
+    import torch
+
+    x, h = x.contiguous(), h.contiguous() if h is not None else None
+    rows, d = x.shape
+    y = torch.empty_like(x)
+    total = torch.empty_like(x) if h is not None else x
+    int8_library().cadence_add_rms_norm(x.data_ptr(), h.data_ptr() if h is not None else None, rows, d,
+                                        weight.data_ptr(), eps, total.data_ptr(), y.data_ptr())
+    return total, y
+
+
+def rotary(x, heads: int, cos, sin, table_rows) -> None:
+    """Rotates, in place, the first ``heads`` heads of every row of x [rows, >= heads * dim] (float32,
+    rows contiguous inside) by the tables cos, sin [positions, dim] at each row's ``table_rows`` (int64)."""
+    dim = cos.shape[1]
+    int8_library().cadence_rotary(x.data_ptr(), x.shape[0], x.stride(0), heads, dim, cos.data_ptr(),
+                                  sin.data_ptr(), table_rows.data_ptr())
