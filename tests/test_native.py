@@ -143,3 +143,31 @@ def test_fused_norm_and_rotary_compute_what_pytorchs_ops_do_row_by_row():
         one = qkv[i : i + 1].clone()
         native.rotary(one, heads, cos, sin, positions[i : i + 1])
         assert torch.equal(one, rotated[i : i + 1])
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_fused_attention_is_pytorchs_and_a_rows_result_is_its_own(window):
+    """The int8 path's attention in C: the cache gets the rows' keys and values as the seam's attend
+    writes them, the outputs equal its outputs to float rounding (ragged rows, grouped heads, a sliding
+    window), and each row's output has the same bits whatever other rows and slots share the step."""
+    from engine.seam import SlotKVCache, StepBatch, attend
+
+    generator = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim = 9, 3, 64
+    caches = [SlotKVCache(2, 4, kv_heads, 256, dim, torch.float32, "cpu", initial=256) for _ in range(3)]
+    for tensors in zip(*(c.k + c.v for c in caches)):
+        history = torch.randn(tensors[0].shape, generator=generator)
+        for t in tensors:
+            t.copy_(history)
+    batch = StepBatch.build([0, 2, 3], [[1, 2, 3], [4], [5, 6]], [10, 40, 0])
+    rows = batch.row_positions.numel()
+    q, k, v = (torch.randn(rows, n, dim, generator=generator) for n in (heads, kv_heads, kv_heads))
+    expected = attend(q, k, v, caches[0], 1, batch, None if window is None else batch.window_blocked(window))
+    got = native.attend(q, k, v, caches[1].k[1], caches[1].v[1], batch.row_slots, batch.row_positions, window, dim ** -0.5)
+    assert torch.equal(caches[0].k[1], caches[1].k[1]) and torch.equal(caches[0].v[1], caches[1].v[1])
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+    for r in range(rows):  # each row alone, its slot's earlier rows of the step already written
+        slot, position = batch.row_slots[r : r + 1], batch.row_positions[r : r + 1]
+        one = native.attend(q[r : r + 1], k[r : r + 1], v[r : r + 1], caches[2].k[1], caches[2].v[1], slot, position,
+                            window, dim ** -0.5)
+        assert torch.equal(one, got[r : r + 1]), r

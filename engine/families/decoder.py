@@ -117,8 +117,9 @@ class DecoderOnly(BatchedDecoder):
         self._switch: int | None = None  # longrope: where a sequence's long factors take over
         self._qk = (self.heads + self.kv_heads) * self.head_dim  # q and k, normed and rotated together
         self._ffn = self.layers[0].down.in_features
-        # int8 on the native kernel keeps float32 activations: its residual adds, norms and rotary run
-        # fused in C too (engine/native/layer_ops.c); the other precisions keep PyTorch's ops.
+        # int8 on the native kernel keeps float32 activations: its residual adds, norms, rotary and
+        # attention (but soft-capped) run fused in C too (engine/native/layer_ops.c), each row alone; the
+        # other precisions keep PyTorch's ops.
         self._fused_ops = self.dtype == torch.float32 and all(
             m.native for layer in self.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down))
         self.allocate(width)
@@ -283,7 +284,14 @@ class DecoderOnly(BatchedDecoder):
         x, normed = self._add_norm(x, None, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.qkv(normed), turns)
-            h = layer.out(attend(q, k, v, self.cache, i, batch, masks[layer.window], self.scale, self.softcap))
+            if self._fused_ops and self.softcap is None:
+                from engine import native
+
+                a = native.attend(q, k, v, self.cache.k[i], self.cache.v[i], batch.row_slots, batch.row_positions,
+                                  layer.window, self.scale or self.head_dim ** -0.5)
+            else:
+                a = attend(q, k, v, self.cache, i, batch, masks[layer.window], self.scale, self.softcap)
+            h = layer.out(a)
             if layer.attn_out_norm is not None:
                 h = self._norm(h, layer.attn_out_norm)
             x, normed = self._add_norm(x, h, layer.ffn_norm)

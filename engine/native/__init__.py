@@ -58,7 +58,7 @@ def _build(compiler: str) -> Path:
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-            done = subprocess.run([compiler, *FLAGS, "-o", str(partial), *map(str, SOURCES)],
+            done = subprocess.run([compiler, *FLAGS, "-o", str(partial), *map(str, SOURCES), "-lm"],
                                   capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 partial.unlink(missing_ok=True)
@@ -91,6 +91,10 @@ def int8_library():
             library.cadence_add_rms_norm.restype = library.cadence_rotary.restype = None
             library.cadence_add_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
                                                      ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+            library.cadence_attend.restype = None
+            library.cadence_attend.argtypes = ([ctypes.c_void_p, ctypes.c_long] * 3 + [ctypes.c_long] * 4
+                                               + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+                                               + [ctypes.c_float, ctypes.c_void_p])
             library.cadence_rotary.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                                                ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
@@ -147,3 +151,26 @@ def rotary(x, heads: int, cos, sin, table_rows) -> None:
     dim = cos.shape[1]
     int8_library().cadence_rotary(x.data_ptr(), x.shape[0], x.stride(0), heads, dim, cos.data_ptr(),
                                   sin.data_ptr(), table_rows.data_ptr())
+
+
+def attend(q, k, v, cache_k, cache_v, row_slots, row_positions, window: int | None, scale: float):
+    """Causal self-attention of a step's rows (float32 CPU): q [R, H, D], k and v [R, Hkv, D], written
+    into cache_k, cache_v [slots, Hkv, positions, D] (contiguous) at each row's slot and position
+    (int64 [R]) first; a row sees its slot's positions up to its own (the last ``window`` of them
+    where given). Returns [R, H * D]. Each (row, head) is computed alone (engine/native/layer_ops.c)."""
+    import torch
+
+    rows, heads, dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != dim:
+        q = q.contiguous()
+    if k.stride(2) != 1 or k.stride(1) != dim:
+        k = k.contiguous()
+    if v.stride(2) != 1 or v.stride(1) != dim:
+        v = v.contiguous()
+    row_slots, row_positions = row_slots.contiguous(), row_positions.contiguous()  # one slot's rows: stride 0
+    out = torch.empty(rows, heads * dim, dtype=torch.float32)
+    int8_library().cadence_attend(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                  rows, heads, k.shape[1], dim, row_slots.data_ptr(), row_positions.data_ptr(),
+                                  cache_k.data_ptr(), cache_v.data_ptr(), cache_k.stride(0), cache_k.stride(1),
+                                  window or 0, scale, out.data_ptr())
+    return out

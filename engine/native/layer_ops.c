@@ -41,3 +41,128 @@ void cadence_rotary(float *x, long rows, long stride, long heads, long dim, cons
         }
     }
 }
+
+#include <stdlib.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+/* q . k over dim floats (dim a multiple of 8): 8 lanes summed in order, then the lanes in a fixed tree. */
+static inline float dot(const float *a, const float *b, long dim) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+    for (long i = 8; i < dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+#else
+    float lanes[8];
+    for (int l = 0; l < 8; l++) lanes[l] = a[l] * b[l];
+    for (long i = 8; i < dim; i++) lanes[i % 8] += a[i] * b[i];
+    return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+#endif
+}
+
+/* Four dots of a against b, b + dim, b + 2 dim, b + 3 dim, each summed exactly as dot() sums it (four
+ * independent chains, so the multiply-adds overlap instead of waiting on each other). */
+static inline void dot4(const float *a, const float *b, long dim, float *s) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[4];
+    const __m256 a0 = _mm256_loadu_ps(a);
+    for (int t = 0; t < 4; t++) acc[t] = _mm256_mul_ps(a0, _mm256_loadu_ps(b + t * dim));
+    for (long i = 8; i < dim; i += 8) {
+        const __m256 ai = _mm256_loadu_ps(a + i);
+        for (int t = 0; t < 4; t++) acc[t] = _mm256_fmadd_ps(ai, _mm256_loadu_ps(b + t * dim + i), acc[t]);
+    }
+    for (int t = 0; t < 4; t++) {
+        __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
+        lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+        lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+        s[t] = _mm_cvtss_f32(lo);
+    }
+#else
+    for (int t = 0; t < 4; t++) s[t] = dot(a, b + t * dim, dim);
+#endif
+}
+
+/* o[i] = (sum over j of w[j] * v[j * dim + i], in order of j) * inv, for n rows of v (dim a multiple of 8). */
+static inline void weigh_values(const float *w, const float *v, long n, long dim, float inv, float *o) {
+#if defined(__AVX2__) && defined(__FMA__)
+    for (long i0 = 0; i0 < dim; i0 += 32) {
+        const int parts = dim - i0 >= 32 ? 4 : (int)((dim - i0) / 8);
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (long j = 0; j < n; j++) {
+            const __m256 wj = _mm256_broadcast_ss(w + j);
+            for (int t = 0; t < parts; t++) acc[t] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v + j * dim + i0 + 8 * t), acc[t]);
+        }
+        for (int t = 0; t < parts; t++) _mm256_storeu_ps(o + i0 + 8 * t, _mm256_mul_ps(acc[t], _mm256_set1_ps(inv)));
+    }
+#else
+    for (long i = 0; i < dim; i++) {
+        float acc = 0;
+        for (long j = 0; j < n; j++) acc += w[j] * v[j * dim + i];
+        o[i] = acc * inv;
+    }
+#endif
+}
+
+/* Causal self-attention of a step's new rows over their slots' cached history (float32), the rows'
+ * own keys and values written into the cache first.
+ * q: row r's head h at q + r * q_stride + h * dim; k, v likewise (kv_heads heads, query head h reads
+ * key head h / (heads / kv_heads)); cache_k, cache_v: [slots, kv_heads, positions, dim] with the given
+ * slot and head strides (positions dim apart); a row at position p attends to positions
+ * max(0, p - window + 1) .. p (window 0: from 0). out: [rows, heads * dim].
+ * Each (row, head) is computed alone over exactly its own positions, in one order, so a row's result
+ * never depends on what else shares the step (how many slots, rows or positions). */
+void cadence_attend(const float *q, long q_stride, const float *k, long k_stride, const float *v, long v_stride,
+                    long rows, long heads, long kv_heads, long dim, const long *row_slots, const long *row_positions,
+                    float *cache_k, float *cache_v, long slot_stride, long head_stride, long window, float scale,
+                    float *out) {
+    long longest = 0;
+    for (long r = 0; r < rows; r++) {
+        for (long g = 0; g < kv_heads; g++) {
+            const long at = row_slots[r] * slot_stride + g * head_stride + row_positions[r] * dim;
+            for (long i = 0; i < dim; i++) {
+                cache_k[at + i] = k[r * k_stride + g * dim + i];
+                cache_v[at + i] = v[r * v_stride + g * dim + i];
+            }
+        }
+        if (row_positions[r] + 1 > longest) longest = row_positions[r] + 1;
+    }
+    const long group = heads / kv_heads;
+#pragma omp parallel if (rows * heads * longest >= 1024)
+    {
+        float *weights = malloc(sizeof(float) * (size_t)longest);
+#pragma omp for schedule(static)
+        for (long job = 0; job < rows * heads; job++) {
+            const long r = job / heads, h = job % heads, p = row_positions[r];
+            const long first = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+            const float *qh = q + r * q_stride + h * dim;
+            const long base = row_slots[r] * slot_stride + (h / group) * head_stride;
+            float top = -INFINITY;
+            long j = first;
+            for (; j + 4 <= p + 1; j += 4) {
+                float s[4];
+                dot4(qh, cache_k + base + j * dim, dim, s);
+                for (int t = 0; t < 4; t++) {
+                    weights[j + t - first] = s[t] * scale;
+                    if (s[t] * scale > top) top = s[t] * scale;
+                }
+            }
+            for (; j <= p; j++) {
+                const float s = dot(qh, cache_k + base + j * dim, dim) * scale;
+                weights[j - first] = s;
+                if (s > top) top = s;
+            }
+            float total = 0;
+            for (long j = 0; j <= p - first; j++) {
+                weights[j] = expf(weights[j] - top);
+                total += weights[j];
+            }
+            float *o = out + r * heads * dim + h * dim;
+            weigh_values(weights, cache_v + base + first * dim, p + 1 - first, dim, 1.0f / total, o);
+        }
+        free(weights);
+    }
+}
