@@ -171,3 +171,17 @@ def test_fused_attention_is_pytorchs_and_a_rows_result_is_its_own(window):
         one = native.attend(q[r : r + 1], k[r : r + 1], v[r : r + 1], caches[2].k[1], caches[2].v[1], slot, position,
                             window, dim ** -0.5)
         assert torch.equal(one, got[r : r + 1]), r
+
+
+def test_fused_silu_gating_is_pytorchs_row_by_row():
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(7, 2 * 1540, generator=generator) * 6  # 1540: a tail past the 8-lane vectors
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0])  # past where e^x over- or underflows
+    gate, up = gate_up.split(1540, dim=-1)
+    got = native.silu_mul(gate_up, 1540)
+    assert torch.allclose(got, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(got).all()
+    for i in range(7):
+        assert torch.equal(native.silu_mul(gate_up[i : i + 1], 1540), got[i : i + 1])

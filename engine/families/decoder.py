@@ -117,8 +117,8 @@ class DecoderOnly(BatchedDecoder):
         self._switch: int | None = None  # longrope: where a sequence's long factors take over
         self._qk = (self.heads + self.kv_heads) * self.head_dim  # q and k, normed and rotated together
         self._ffn = self.layers[0].down.in_features
-        # int8 on the native kernel keeps float32 activations: its residual adds, norms, rotary and
-        # attention (but soft-capped) run fused in C too (engine/native/layer_ops.c), each row alone; the
+        # int8 on the native kernel keeps float32 activations: its residual adds, norms, rotary, SiLU
+        # gating and attention (but soft-capped) run fused in C too (engine/native/layer_ops.c), each row alone; the
         # other precisions keep PyTorch's ops.
         self._fused_ops = self.dtype == torch.float32 and all(
             m.native for layer in self.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down))
@@ -234,6 +234,15 @@ class DecoderOnly(BatchedDecoder):
             x = x + h
         return x, self._norm(x, weight)
 
+    def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """activation(gate) * up, the MLP's gate and up halves side by side in each row."""
+        if self._fused_ops and self.activation is F.silu:
+            from engine import native
+
+            return native.silu_mul(gate_up, self._ffn)
+        gate, up = gate_up.split(self._ffn, dim=-1)
+        return self.activation(gate) * up
+
     def _qkv(self, layer: Layer, qkv: torch.Tensor, turns: dict) -> tuple[torch.Tensor, ...]:
         """q, k (normed per head where the model does, then rotated) and v, as [R, heads, D] each."""
         R, D = qkv.shape[0], self.head_dim
@@ -295,8 +304,7 @@ class DecoderOnly(BatchedDecoder):
             if layer.attn_out_norm is not None:
                 h = self._norm(h, layer.attn_out_norm)
             x, normed = self._add_norm(x, h, layer.ffn_norm)
-            gate, up = layer.gate_up(normed).split(self._ffn, dim=-1)
-            h = layer.down(self.activation(gate) * up)
+            h = layer.down(self._gated(layer.gate_up(normed)))
             if layer.ffn_out_norm is not None:
                 h = self._norm(h, layer.ffn_out_norm)
             if i + 1 < len(self.layers):  # the next layer's input norm with this residual add

@@ -1,8 +1,9 @@
 """Small C kernels built on the user's machine, for what PyTorch's CPU kernels do slowly.
 
 ``int8_linear.c``: the group-wise int8 weight-only matrix product int8 precision uses on CPU (see
-:mod:`engine.kernels`); ``layer_ops.c``: the residual add with the RMS norm after it, and the rotary
-embedding, fused for the same precision's float32 activations (see :mod:`engine.families.decoder`).
+:mod:`engine.kernels`); ``layer_ops.c``: the residual add with the RMS norm after it, the rotary
+embedding, SiLU(gate) * up and the attention over the KV cache, fused for the same precision's float32
+activations (see :mod:`engine.families.decoder`).
 Both go into one library, compiled once per machine with the system C compiler and
 ``-march=native`` (so it uses the vector instructions this processor has, whatever they are) into the
 user cache, keyed by the source, the compiler and the processor's flags, and loaded with ctypes (which
@@ -91,7 +92,9 @@ def int8_library():
             library.cadence_add_rms_norm.restype = library.cadence_rotary.restype = None
             library.cadence_add_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
                                                      ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
-            library.cadence_attend.restype = None
+            library.cadence_silu_mul.restype = library.cadence_attend.restype = None
+            library.cadence_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                                                 ctypes.c_void_p]
             library.cadence_attend.argtypes = ([ctypes.c_void_p, ctypes.c_long] * 3 + [ctypes.c_long] * 4
                                                + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
                                                + [ctypes.c_float, ctypes.c_void_p])
@@ -173,4 +176,14 @@ def attend(q, k, v, cache_k, cache_v, row_slots, row_positions, window: int | No
                                   rows, heads, k.shape[1], dim, row_slots.data_ptr(), row_positions.data_ptr(),
                                   cache_k.data_ptr(), cache_v.data_ptr(), cache_k.stride(0), cache_k.stride(1),
                                   window or 0, scale, out.data_ptr())
+    return out
+
+
+def silu_mul(gate_up, f: int):
+    """SiLU(gate) * up for float32 CPU rows gate_up [R, >= 2f] (gate, then up; rows contiguous inside):
+    a new [R, f]."""
+    import torch
+
+    out = torch.empty(gate_up.shape[0], f, dtype=torch.float32)
+    int8_library().cadence_silu_mul(gate_up.data_ptr(), gate_up.shape[0], f, gate_up.stride(0), out.data_ptr())
     return out
