@@ -185,3 +185,25 @@ def test_fused_silu_gating_is_pytorchs_row_by_row():
     assert torch.isfinite(got).all()
     for i in range(7):
         assert torch.equal(native.silu_mul(gate_up[i : i + 1], 1540), got[i : i + 1])
+
+
+def test_whispers_fused_attention_computes_what_pytorchs_does(tiny):
+    """whisper-tiny.en in int8: its decoder's self- and cross-attention run in C; the logits of a ragged
+    prompt step and a decode step over two slots' encoder memory are PyTorch's, to float rounding."""
+    from engine.families.whisper import WhisperBatched
+    from engine.seam import StepBatch
+
+    decoder = WhisperBatched(tiny, width=2, precision="int8")
+    assert decoder._fused_attention
+    generator = torch.Generator().manual_seed(6)
+    for slot in (0, 1):
+        decoder.set_memory(slot, torch.randn(1500, decoder.d_model, generator=generator))
+    sot = [50257, 50362]  # <|startoftranscript|><|notimestamps|> of the English-only vocabulary
+    steps = [StepBatch.build([0, 1], [sot + [400, 318, 257], sot], [0, 0]), StepBatch.build([1], [[262]], [2])]
+    for batch in steps:
+        got = {}
+        for fused in (True, False):
+            decoder._fused_attention = fused
+            got[fused] = decoder.forward(batch)
+        assert torch.allclose(got[True], got[False], rtol=1e-4, atol=1e-4), (got[True] - got[False]).abs().max()
+        decoder._fused_attention = True

@@ -128,6 +128,10 @@ class WhisperBatched(BatchedDecoder):
         prep.save()
         self._output_weight = hf.proj_out.weight.detach()
         self.memory_len = cfg.max_source_positions
+        # int8 on the native kernel keeps float32 activations: the decoder's self- and cross-attention
+        # run in C too (engine/native/layer_ops.c), each row and head alone over exactly its positions.
+        self._fused_attention = self.dtype == torch.float32 and memory_dtype(precision, self.embed.device) == torch.float32 \
+            and all(m.native for layer in self.layers for m in (layer.qkv, layer.self_out, layer.cross_q, layer.cross_out))
         self.alignment_heads: dict[int, list[int]] = {}  # layer -> heads, where words are timed
         self.allocate(width)
 
@@ -214,16 +218,32 @@ class WhisperBatched(BatchedDecoder):
             queries = q[rows][:, heads].float().transpose(0, 1)  # [h, n, D]
             parts.append(torch.matmul(queries, keys.transpose(1, 2)) * self.head_dim ** -0.5)
 
+    def _self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int, batch: StepBatch) -> torch.Tensor:
+        if self._fused_attention:
+            from engine import native
+
+            return native.attend(q, k, v, self.cache.k[i], self.cache.v[i], batch.row_slots, batch.row_positions,
+                                 None, self.head_dim ** -0.5)
+        return attend(q, k, v, self.cache, i, batch)
+
+    def _cross_attention(self, q: torch.Tensor, i: int, batch: StepBatch) -> torch.Tensor:
+        if self._fused_attention:
+            from engine import native
+
+            return native.attend_memory(q, self.cross_k[i], self.cross_v[i], batch.row_slots, self.memory_len,
+                                        self.head_dim ** -0.5)
+        return attend_fixed(q, self.cross_k[i], self.cross_v[i], batch, self.memory_blocked)
+
     def forward(self, batch: StepBatch, logit_rows: torch.Tensor | None = None, with_hidden: bool = False):
         x = F.embedding(batch.flat(batch.tokens), self.embed).to(self.dtype) + self.positions[batch.row_positions]
         R = x.shape[0]
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(self._norm(x, layer.self_norm)).view(R, 3, self.heads, self.head_dim).unbind(1)
-            x = x + layer.self_out(attend(q, k, v, self.cache, i, batch))
+            x = x + layer.self_out(self._self_attention(q, k, v, i, batch))
             q = layer.cross_q(self._norm(x, layer.cross_norm)).view(R, self.heads, self.head_dim)
             if batch.attention_groups is not None and i in self.alignment_heads:
                 self._collect_attention(batch, i, q)
-            x = x + layer.cross_out(attend_fixed(q, self.cross_k[i], self.cross_v[i], batch, self.memory_blocked))
+            x = x + layer.cross_out(self._cross_attention(q, i, batch))
             x = x + layer.fc2(F.gelu(layer.fc1(self._norm(x, layer.ffn_norm))))
         if batch.attention_groups is not None:  # per group, [alignment heads, rows, memory] in layer order
             batch.attention = [torch.cat(parts) for parts in batch.attention]

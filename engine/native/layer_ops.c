@@ -160,6 +160,36 @@ static inline void weigh_values(const float *w, const float *v, long n, long dim
 #endif
 }
 
+/* One query head over n keys and values (rows dim apart, from keys and values): out = softmax(q . k *
+ * scale) . v, in one fixed order. weights: room for n floats. */
+static void attend_one(const float *qh, const float *keys, const float *values, long n, long dim, float scale,
+                       float *weights, float *out) {
+    float top = -INFINITY;
+    long j = 0;
+    for (; j + 4 <= n; j += 4) {
+        float s[4];
+        dot4(qh, keys + j * dim, dim, s);
+        for (int t = 0; t < 4; t++) {
+            weights[j + t] = s[t] * scale;
+            if (s[t] * scale > top) top = s[t] * scale;
+        }
+    }
+    for (; j < n; j++) {
+        const float s = dot(qh, keys + j * dim, dim) * scale;
+        weights[j] = s;
+        if (s > top) top = s;
+    }
+    long t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; t + 8 <= n; t += 8)
+        _mm256_storeu_ps(weights + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(weights + t), _mm256_set1_ps(top))));
+#endif
+    for (; t < n; t++) weights[t] = exp1(weights[t] - top);
+    float total = 0;
+    for (t = 0; t < n; t++) total += weights[t];
+    weigh_values(weights, values, n, dim, 1.0f / total, out);
+}
+
 /* Causal self-attention of a step's new rows over their slots' cached history (float32), the rows'
  * own keys and values written into the cache first.
  * q: row r's head h at q + r * q_stride + h * dim; k, v likewise (kv_heads heads, query head h reads
@@ -191,34 +221,28 @@ void cadence_attend(const float *q, long q_stride, const float *k, long k_stride
         for (long job = 0; job < rows * heads; job++) {
             const long r = job / heads, h = job % heads, p = row_positions[r];
             const long first = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-            const float *qh = q + r * q_stride + h * dim;
-            const long base = row_slots[r] * slot_stride + (h / group) * head_stride;
-            float top = -INFINITY;
-            long j = first;
-            for (; j + 4 <= p + 1; j += 4) {
-                float s[4];
-                dot4(qh, cache_k + base + j * dim, dim, s);
-                for (int t = 0; t < 4; t++) {
-                    weights[j + t - first] = s[t] * scale;
-                    if (s[t] * scale > top) top = s[t] * scale;
-                }
-            }
-            for (; j <= p; j++) {
-                const float s = dot(qh, cache_k + base + j * dim, dim) * scale;
-                weights[j - first] = s;
-                if (s > top) top = s;
-            }
-            const long n = p + 1 - first;
-            long t = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-            for (; t + 8 <= n; t += 8)
-                _mm256_storeu_ps(weights + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(weights + t), _mm256_set1_ps(top))));
-#endif
-            for (; t < n; t++) weights[t] = exp1(weights[t] - top);
-            float total = 0;
-            for (t = 0; t < n; t++) total += weights[t];
-            float *o = out + r * heads * dim + h * dim;
-            weigh_values(weights, cache_v + base + first * dim, p + 1 - first, dim, 1.0f / total, o);
+            const long base = row_slots[r] * slot_stride + (h / group) * head_stride + first * dim;
+            attend_one(q + r * q_stride + h * dim, cache_k + base, cache_v + base, p + 1 - first, dim, scale,
+                       weights, out + r * heads * dim + h * dim);
+        }
+        free(weights);
+    }
+}
+
+/* Attention of a step's rows over their slots' fixed memory (Whisper's encoder output, projected): row r's
+ * head h reads positions 0 .. length - 1 of memory_k, memory_v [slots, heads, positions, dim] (slot and
+ * head strides given) at its slot. q as in cadence_attend; out: [rows, heads * dim]. */
+void cadence_attend_memory(const float *q, long q_stride, long rows, long heads, long dim, const long *row_slots,
+                           const float *memory_k, const float *memory_v, long slot_stride, long head_stride,
+                           long length, float scale, float *out) {
+#pragma omp parallel if (rows * heads * length >= 1024)
+    {
+        float *weights = malloc(sizeof(float) * (size_t)length);
+#pragma omp for schedule(static)
+        for (long job = 0; job < rows * heads; job++) {
+            const long r = job / heads, h = job % heads, base = row_slots[r] * slot_stride + h * head_stride;
+            attend_one(q + r * q_stride + h * dim, memory_k + base, memory_v + base, length, dim, scale, weights,
+                       out + r * heads * dim + h * dim);
         }
         free(weights);
     }
