@@ -14,7 +14,10 @@ Whisper: bench/transcription.py's 16-file batch and its short clips, Cadence's d
 (voice-activity windows + timestamps) in each precision beside faster-whisper int8 and float32,
 sequential and batched, with word error rates.
 
-    .venv/bin/python bench/cpu.py [--parts chat,whisper] [--widths 1,8,16] [--tokens 128]
+    .venv/bin/python bench/cpu.py [--parts chat,whisper] [--widths 1,8,16] [--tokens 128] [--rounds 1]
+
+``--rounds N`` runs every chat engine once per width in each of N rounds (so a machine drifting in
+speed moves them alike) and reports medians, with each round's figures and ratios below the table.
 
 Run on a quiet machine; the CPU model is printed first (record it with the figures).
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -177,38 +181,39 @@ def generate_decode(n: int, tokens: int) -> float:
 
 
 # ---------------------------------------------------------------------------- main
-def chat_part(widths: list[int], tokens: int) -> None:
+def chat_part(widths: list[int], tokens: int, rounds: int = 1) -> None:
     from engine.chat.reference import ChatReference, build_messages
     from engine.kernels import precisions_on
     from engine.loading import load
 
     offered = precisions_on("cpu")
-    rows = {}
-    stories = {}
-    for precision in offered:
-        for n in widths:
-            rate, toks = cadence_decode(n, tokens, precision, "off")
-            rows[(f"Cadence {precision}, drafting off", n)] = rate
-            stories[(precision, n)] = toks
-            print(f"  Cadence {precision} N={n}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
-    for n in widths:
-        rate, _ = cadence_decode(n, tokens, "auto", "auto")
-        rows[("Cadence as shipped (precision auto, drafting auto)", n)] = rate
-        print(f"  Cadence default N={n}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
+    llama = "llama.cpp (llama-cpp-python), Q4_1 GGUF"
+    # (row name, the precision whose stories the quality table compares, run(n) -> (tok/s, tokens))
+    engines = [(f"Cadence {p}, drafting off", p, lambda n, p=p: cadence_decode(n, tokens, p, "off")) for p in offered]
+    engines.append(("Cadence as shipped (precision auto, drafting auto)", None,
+                    lambda n: cadence_decode(n, tokens, "auto", "auto")))
     if importlib.util.find_spec("llama_cpp") is not None:
         ref = ChatReference(load(CHAT))
-        for n in widths:
-            ids = [ref.prompt_ids(build_messages(p)) for p in prompts(n)]
-            rows[("llama.cpp (llama-cpp-python), Q4_1 GGUF", n)] = llama_cpp_decode(n, tokens, ids)
-            print(f"  llama.cpp N={n}: {rows[('llama.cpp (llama-cpp-python), Q4_1 GGUF', n)]:.1f}", file=sys.stderr,
-                  flush=True)
+        engines.append((llama, None, lambda n: (llama_cpp_decode(
+            n, tokens, [ref.prompt_ids(build_messages(p)) for p in prompts(n)]), None)))
     else:
         print("(llama-cpp-python is not installed (`make setup` builds it); its rows are left out)\n")
+    samples: dict[tuple[str, int], list[float]] = {}
+    stories = {}
+    for r in range(rounds):  # every engine once per width in each round, so drift moves them alike
+        for n in widths:
+            for name, precision, run in engines:
+                rate, toks = run(n)
+                samples.setdefault((name, n), []).append(rate)
+                if precision is not None and r == 0:
+                    stories[(precision, n)] = toks
+                print(f"  round {r + 1}: {name} N={n}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
+    rows = {key: statistics.median(values) for key, values in samples.items()}
     for n in [w for w in widths if w <= 8]:
         rows[("transformers generate, float32", n)] = generate_decode(n, tokens)
     names = list(dict.fromkeys(name for name, _ in rows))
-    llama = "llama.cpp (llama-cpp-python), Q4_1 GGUF"
-    print(f"## Chat decode tok/s ({CHAT}, {tokens} new tokens, greedy, prefill excluded)\n")
+    print(f"## Chat decode tok/s ({CHAT}, {tokens} new tokens, greedy, prefill excluded"
+          f"{f', median of {rounds} interleaved rounds' if rounds > 1 else ''})\n")
     print("| engine | " + " | ".join(f"N={n}" for n in widths) + " |" +
           (" " + " | ".join(f"vs llama.cpp N={n}" for n in widths) + " |" if (llama, widths[0]) in rows else ""))
     print("|---|" + "---|" * len(widths) * (2 if (llama, widths[0]) in rows else 1))
@@ -217,6 +222,12 @@ def chat_part(widths: list[int], tokens: int) -> None:
         if (llama, widths[0]) in rows:
             cells += [f"{rows[(name, n)] / rows[(llama, n)]:.2f}x" if (name, n) in rows else "—" for n in widths]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    if rounds > 1:
+        print("\nEach round (tok/s, and the ratio to llama.cpp in the same round):\n")
+        for (name, n), values in samples.items():
+            ratios = [v / b for v, b in zip(values, samples.get((llama, n), []))]
+            print(f"- {name}, N={n}: " + " / ".join(f"{v:.1f}" for v in values)
+                  + (f" ({' / '.join(f'{x:.2f}x' for x in ratios)})" if ratios and name != llama else ""))
     wide = max(w for w in widths if w <= 8)
     print(f"\n## Quality against float32\n\n| precision | top-1 agreement (check prompts) | stories equal to float32 "
           f"(N={wide}) |\n|---|---|---|")
@@ -241,12 +252,13 @@ def main() -> int:
     parser.add_argument("--parts", default="chat,whisper")
     parser.add_argument("--widths", default="1,8,16")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=1, help="chat: interleaved rounds, medians reported")
     parser.add_argument("--quick", action="store_true", help="short Whisper files only (a dry run)")
     args = parser.parse_args()
     print(f"# CPU: {cpu_model()}; torch {torch.__version__}\n", flush=True)
     parts = args.parts.split(",")
     if "chat" in parts:
-        chat_part([int(w) for w in args.widths.split(",")], args.tokens)
+        chat_part([int(w) for w in args.widths.split(",")], args.tokens, args.rounds)
     if "whisper" in parts:
         whisper_part(args.quick)
     return 0

@@ -188,13 +188,14 @@ def test_fused_silu_gating_is_pytorchs_row_by_row():
 
 
 def test_whispers_fused_attention_computes_what_pytorchs_does(tiny):
-    """whisper-tiny.en in int8: its decoder's self- and cross-attention run in C; the logits of a ragged
-    prompt step and a decode step over two slots' encoder memory are PyTorch's, to float rounding."""
+    """whisper-tiny.en in int8: its decoder's self- and cross-attention run in C, the encoder memory kept
+    in float16; the logits of a ragged prompt step and a decode step over two slots' memory are
+    PyTorch's over the same values, to float rounding."""
     from engine.families.whisper import WhisperBatched
     from engine.seam import StepBatch
 
     decoder = WhisperBatched(tiny, width=2, precision="int8")
-    assert decoder._fused_attention
+    assert decoder._fused_attention and decoder.cross_k.dtype == torch.float16  # half the bytes a step reads
     generator = torch.Generator().manual_seed(6)
     for slot in (0, 1):
         decoder.set_memory(slot, torch.randn(1500, decoder.d_model, generator=generator))
@@ -207,3 +208,16 @@ def test_whispers_fused_attention_computes_what_pytorchs_does(tiny):
             got[fused] = decoder.forward(batch)
         assert torch.allclose(got[True], got[False], rtol=1e-4, atol=1e-4), (got[True] - got[False]).abs().max()
         decoder._fused_attention = True
+
+
+def test_attention_over_a_float16_memory_reads_it_exactly():
+    """Whisper's encoder memory in float16 (int8's C path): the same results, bit for bit, as the same
+    values given in float32, so only the memory's rounding differs from float32's path."""
+    from engine.seam import StepBatch
+
+    generator = torch.Generator().manual_seed(7)
+    keys, values = (torch.randn(3, 6, 1536, 64, generator=generator).half() for _ in range(2))
+    batch = StepBatch.build([0, 2], [[1, 2], [3]], [5, 9])
+    q = torch.randn(3, 6, 64, generator=generator)
+    half = native.attend_memory(q, keys, values, batch.row_slots, 1500, 0.125)
+    assert torch.equal(half, native.attend_memory(q, keys.float(), values.float(), batch.row_slots, 1500, 0.125))

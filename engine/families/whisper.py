@@ -8,7 +8,8 @@ activation dtype; the KV cache and self-attention in engine.kernels.attention_dt
 memory (cross-attention's keys and values) is kept in the activation dtype wherever this machine
 has a way to attend over it that leaves each row independent of its batch (see
 :func:`memory_dtype`): it never changes length, so bfloat16's sums stay put, and at 16 slots it is
-most of the bytes a decode step reads.
+most of the bytes a decode step reads. Where int8 runs its attention in C (float32 activations,
+engine/native/layer_ops.c), the memory is kept in float16 and summed in float32.
 """
 
 from __future__ import annotations
@@ -129,9 +130,10 @@ class WhisperBatched(BatchedDecoder):
         self._output_weight = hf.proj_out.weight.detach()
         self.memory_len = cfg.max_source_positions
         # int8 on the native kernel keeps float32 activations: the decoder's self- and cross-attention
-        # run in C too (engine/native/layer_ops.c), each row and head alone over exactly its positions.
-        self._fused_attention = self.dtype == torch.float32 and memory_dtype(precision, self.embed.device) == torch.float32 \
-            and all(m.native for layer in self.layers for m in (layer.qkv, layer.self_out, layer.cross_q, layer.cross_out))
+        # run in C too (engine/native/layer_ops.c), each row and head alone over exactly its positions,
+        # and the encoder memory is kept in float16 (half what each step reads; summed in float32).
+        self._fused_attention = self.dtype == torch.float32 and all(
+            m.native for layer in self.layers for m in (layer.qkv, layer.self_out, layer.cross_q, layer.cross_out))
         self.alignment_heads: dict[int, list[int]] = {}  # layer -> heads, where words are timed
         self.allocate(width)
 
@@ -147,7 +149,7 @@ class WhisperBatched(BatchedDecoder):
         self.cache = SlotKVCache(n, width, self.heads, max_len, self.head_dim, dtype, device)
         padded = round_up(self.memory_len)  # whole attention blocks; the padding is never attended to
         memory = (n, width, self.heads, padded, self.head_dim)
-        kept = memory_dtype(self.precision, torch.device(device))
+        kept = torch.float16 if self._fused_attention else memory_dtype(self.precision, torch.device(device))
         self.cross_k = torch.zeros(memory, dtype=kept, device=device)
         self.cross_v = torch.zeros(memory, dtype=kept, device=device)
         self.memory_blocked = (torch.arange(padded, device=device) >= self.memory_len)[None, None, None, :]
@@ -232,7 +234,10 @@ class WhisperBatched(BatchedDecoder):
 
             return native.attend_memory(q, self.cross_k[i], self.cross_v[i], batch.row_slots, self.memory_len,
                                         self.head_dim ** -0.5)
-        return attend_fixed(q, self.cross_k[i], self.cross_v[i], batch, self.memory_blocked)
+        keys, values = self.cross_k[i], self.cross_v[i]
+        if keys.dtype == torch.float16:  # kept for the C path, which a test or benchmark turned off after
+            keys, values = keys.float(), values.float()
+        return attend_fixed(q, keys, values, batch, self.memory_blocked)
 
     def forward(self, batch: StepBatch, logit_rows: torch.Tensor | None = None, with_hidden: bool = False):
         x = F.embedding(batch.flat(batch.tokens), self.embed).to(self.dtype) + self.positions[batch.row_positions]

@@ -93,9 +93,10 @@ def int8_library():
             library.cadence_add_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
                                                      ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
             library.cadence_silu_mul.restype = library.cadence_attend.restype = None
-            library.cadence_attend_memory.restype = None
-            library.cadence_attend_memory.argtypes = ([ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_void_p] * 3
-                                                      + [ctypes.c_long] * 3 + [ctypes.c_float, ctypes.c_void_p])
+            for fn in (library.cadence_attend_memory_f32, library.cadence_attend_memory_f16):
+                fn.restype = None
+                fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+                               + [ctypes.c_float, ctypes.c_void_p])
             library.cadence_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                                                  ctypes.c_void_p]
             library.cadence_attend.argtypes = ([ctypes.c_void_p, ctypes.c_long] * 3 + [ctypes.c_long] * 4
@@ -194,8 +195,9 @@ def silu_mul(gate_up, f: int):
 
 def attend_memory(q, memory_k, memory_v, row_slots, length: int, scale: float):
     """Attention of a step's rows (float32 CPU) q [R, H, D] over the first ``length`` positions of their
-    slots' fixed memory memory_k, memory_v [slots, H, positions, D] (contiguous): Whisper's cross-attention.
-    Returns [R, H * D], each (row, head) computed alone (engine/native/layer_ops.c)."""
+    slots' fixed memory memory_k, memory_v [slots, H, positions, D] (contiguous; float32, or float16 read
+    as such and summed in float32): Whisper's cross-attention. Returns [R, H * D], each (row, head)
+    computed alone (engine/native/layer_ops.c)."""
     import torch
 
     rows, heads, dim = q.shape
@@ -203,7 +205,8 @@ def attend_memory(q, memory_k, memory_v, row_slots, length: int, scale: float):
         q = q.contiguous()
     row_slots = row_slots.contiguous()
     out = torch.empty(rows, heads * dim, dtype=torch.float32)
-    int8_library().cadence_attend_memory(q.data_ptr(), q.stride(0), rows, heads, dim, row_slots.data_ptr(),
-                                         memory_k.data_ptr(), memory_v.data_ptr(), memory_k.stride(0),
-                                         memory_k.stride(1), length, scale, out.data_ptr())
+    library = int8_library()
+    run = library.cadence_attend_memory_f16 if memory_k.dtype == torch.float16 else library.cadence_attend_memory_f32
+    run(q.data_ptr(), q.stride(0), rows, heads, dim, row_slots.data_ptr(), memory_k.data_ptr(), memory_v.data_ptr(),
+        memory_k.stride(0), memory_k.stride(1), length, scale, out.data_ptr())
     return out

@@ -9,6 +9,7 @@
  * rows beside it. Used by engine/families/decoder.py where the int8 precision runs on the native
  * kernel (float32 activations); float32 keeps PyTorch's ops, the yardstick. */
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -100,95 +101,121 @@ void cadence_rotary(float *x, long rows, long stride, long heads, long dim, cons
     }
 }
 
-/* q . k over dim floats (dim a multiple of 8): 8 lanes summed in order, then the lanes in a fixed tree. */
-static inline float dot(const float *a, const float *b, long dim) {
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
-    for (long i = 8; i < dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+/* Attention's inner loops, for keys and values stored as float (suffix f32) or as IEEE half floats
+ * (f16: Whisper's encoder memory in int8, half the bytes a step reads; converted exactly on loading,
+ * with F16C where the CPU has it). q is float. Per (row, head), in one fixed order:
+ * - dot: q . k over dim (a multiple of 8): 8 lanes summed in order, then the lanes in a fixed tree;
+ * - dot4: four such dots at once (independent chains that overlap), each summed exactly as dot sums it;
+ * - weigh: o[i] = (sum over j of w[j] * v[j][i], in order of j) * inv;
+ * - attend_one: one query head over n keys and values: softmax(q . k * scale) . v (weights: n floats). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    float value;
+    if (exponent == 0) value = ldexpf((float)mantissa, -24); /* zero or subnormal */
+    else if (exponent == 31) value = mantissa ? NAN : INFINITY;
+    else value = ldexpf((float)(mantissa | 0x400), (int)exponent - 25);
+    union { float f; uint32_t u; } bits = {value};
+    bits.u |= sign;
+    return bits.f;
+}
+
+#define LOAD1_f32(p) (*(p))
+#define LOAD1_f16(p) half_to_float(*(p))
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VECTOR 1
+#define LOAD8_f32(p) _mm256_loadu_ps(p)
+#define LOAD8_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+static inline float lanes_sum(__m256 acc) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
     lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
     return _mm_cvtss_f32(lo);
-#else
-    float lanes[8];
-    for (int l = 0; l < 8; l++) lanes[l] = a[l] * b[l];
-    for (long i = 8; i < dim; i++) lanes[i % 8] += a[i] * b[i];
-    return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
-#endif
 }
-
-/* Four dots of a against b, b + dim, b + 2 dim, b + 3 dim, each summed exactly as dot() sums it (four
- * independent chains, so the multiply-adds overlap instead of waiting on each other). */
-static inline void dot4(const float *a, const float *b, long dim, float *s) {
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[4];
-    const __m256 a0 = _mm256_loadu_ps(a);
-    for (int t = 0; t < 4; t++) acc[t] = _mm256_mul_ps(a0, _mm256_loadu_ps(b + t * dim));
-    for (long i = 8; i < dim; i += 8) {
-        const __m256 ai = _mm256_loadu_ps(a + i);
-        for (int t = 0; t < 4; t++) acc[t] = _mm256_fmadd_ps(ai, _mm256_loadu_ps(b + t * dim + i), acc[t]);
-    }
-    for (int t = 0; t < 4; t++) {
-        __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
-        lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-        lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-        s[t] = _mm_cvtss_f32(lo);
-    }
+#define DEFINE_ATTEND_ONE(S, T)                                                                           \
+    static inline float dot_##S(const float *a, const T *b, long dim) {                                   \
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), LOAD8_##S(b));                                      \
+        for (long i = 8; i < dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), LOAD8_##S(b + i), acc); \
+        return lanes_sum(acc);                                                                             \
+    }                                                                                                      \
+    static inline void dot4_##S(const float *a, const T *b, long dim, float *s) {                         \
+        __m256 acc[4];                                                                                     \
+        const __m256 a0 = _mm256_loadu_ps(a);                                                              \
+        for (int t = 0; t < 4; t++) acc[t] = _mm256_mul_ps(a0, LOAD8_##S(b + t * dim));                    \
+        for (long i = 8; i < dim; i += 8) {                                                                \
+            const __m256 ai = _mm256_loadu_ps(a + i);                                                      \
+            for (int t = 0; t < 4; t++) acc[t] = _mm256_fmadd_ps(ai, LOAD8_##S(b + t * dim + i), acc[t]);  \
+        }                                                                                                  \
+        for (int t = 0; t < 4; t++) s[t] = lanes_sum(acc[t]);                                              \
+    }                                                                                                      \
+    static inline void weigh_##S(const float *w, const T *v, long n, long dim, float inv, float *o) {     \
+        for (long i0 = 0; i0 < dim; i0 += 32) {                                                            \
+            const int parts = dim - i0 >= 32 ? 4 : (int)((dim - i0) / 8);                                 \
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+            for (long j = 0; j < n; j++) {                                                                 \
+                const __m256 wj = _mm256_broadcast_ss(w + j);                                              \
+                for (int t = 0; t < parts; t++) acc[t] = _mm256_fmadd_ps(wj, LOAD8_##S(v + j * dim + i0 + 8 * t), acc[t]); \
+            }                                                                                              \
+            for (int t = 0; t < parts; t++) _mm256_storeu_ps(o + i0 + 8 * t, _mm256_mul_ps(acc[t], _mm256_set1_ps(inv))); \
+        }                                                                                                  \
+    }                                                                                                      \
+    ATTEND_ONE(S, T)
 #else
-    for (int t = 0; t < 4; t++) s[t] = dot(a, b + t * dim, dim);
+#define VECTOR 0
+#define DEFINE_ATTEND_ONE(S, T)                                                                           \
+    static inline float dot_##S(const float *a, const T *b, long dim) {                                   \
+        float lanes[8];                                                                                    \
+        for (int l = 0; l < 8; l++) lanes[l] = a[l] * LOAD1_##S(b + l);                                    \
+        for (long i = 8; i < dim; i++) lanes[i % 8] += a[i] * LOAD1_##S(b + i);                            \
+        return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7])); \
+    }                                                                                                      \
+    static inline void dot4_##S(const float *a, const T *b, long dim, float *s) {                         \
+        for (int t = 0; t < 4; t++) s[t] = dot_##S(a, b + t * dim, dim);                                   \
+    }                                                                                                      \
+    static inline void weigh_##S(const float *w, const T *v, long n, long dim, float inv, float *o) {     \
+        for (long i = 0; i < dim; i++) {                                                                   \
+            float acc = 0;                                                                                 \
+            for (long j = 0; j < n; j++) acc += w[j] * LOAD1_##S(v + j * dim + i);                         \
+            o[i] = acc * inv;                                                                              \
+        }                                                                                                  \
+    }                                                                                                      \
+    ATTEND_ONE(S, T)
 #endif
-}
 
-/* o[i] = (sum over j of w[j] * v[j * dim + i], in order of j) * inv, for n rows of v (dim a multiple of 8). */
-static inline void weigh_values(const float *w, const float *v, long n, long dim, float inv, float *o) {
-#if defined(__AVX2__) && defined(__FMA__)
-    for (long i0 = 0; i0 < dim; i0 += 32) {
-        const int parts = dim - i0 >= 32 ? 4 : (int)((dim - i0) / 8);
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (long j = 0; j < n; j++) {
-            const __m256 wj = _mm256_broadcast_ss(w + j);
-            for (int t = 0; t < parts; t++) acc[t] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v + j * dim + i0 + 8 * t), acc[t]);
-        }
-        for (int t = 0; t < parts; t++) _mm256_storeu_ps(o + i0 + 8 * t, _mm256_mul_ps(acc[t], _mm256_set1_ps(inv)));
+#define ATTEND_ONE(S, T)                                                                                  \
+    static void attend_one_##S(const float *qh, const T *keys, const T *values, long n, long dim, float scale, \
+                               float *weights, float *out) {                                               \
+        float top = -INFINITY;                                                                             \
+        long j = 0;                                                                                        \
+        for (; j + 4 <= n; j += 4) {                                                                       \
+            float s[4];                                                                                    \
+            dot4_##S(qh, keys + j * dim, dim, s);                                                          \
+            for (int t = 0; t < 4; t++) {                                                                  \
+                weights[j + t] = s[t] * scale;                                                             \
+                if (s[t] * scale > top) top = s[t] * scale;                                                \
+            }                                                                                              \
+        }                                                                                                  \
+        for (; j < n; j++) {                                                                               \
+            const float s = dot_##S(qh, keys + j * dim, dim) * scale;                                      \
+            weights[j] = s;                                                                                \
+            if (s > top) top = s;                                                                          \
+        }                                                                                                  \
+        exponentiate(weights, n, top);                                                                     \
+        float total = 0;                                                                                   \
+        for (long t = 0; t < n; t++) total += weights[t];                                                  \
+        weigh_##S(weights, values, n, dim, 1.0f / total, out);                                             \
     }
-#else
-    for (long i = 0; i < dim; i++) {
-        float acc = 0;
-        for (long j = 0; j < n; j++) acc += w[j] * v[j * dim + i];
-        o[i] = acc * inv;
-    }
-#endif
-}
 
-/* One query head over n keys and values (rows dim apart, from keys and values): out = softmax(q . k *
- * scale) . v, in one fixed order. weights: room for n floats. */
-static void attend_one(const float *qh, const float *keys, const float *values, long n, long dim, float scale,
-                       float *weights, float *out) {
-    float top = -INFINITY;
-    long j = 0;
-    for (; j + 4 <= n; j += 4) {
-        float s[4];
-        dot4(qh, keys + j * dim, dim, s);
-        for (int t = 0; t < 4; t++) {
-            weights[j + t] = s[t] * scale;
-            if (s[t] * scale > top) top = s[t] * scale;
-        }
-    }
-    for (; j < n; j++) {
-        const float s = dot(qh, keys + j * dim, dim) * scale;
-        weights[j] = s;
-        if (s > top) top = s;
-    }
+/* w[t] = e^(w[t] - top), t < n, the same polynomial in every lane. */
+static inline void exponentiate(float *w, long n, float top) {
     long t = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    for (; t + 8 <= n; t += 8)
-        _mm256_storeu_ps(weights + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(weights + t), _mm256_set1_ps(top))));
+    for (; t + 8 <= n; t += 8) _mm256_storeu_ps(w + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(w + t), _mm256_set1_ps(top))));
 #endif
-    for (; t < n; t++) weights[t] = exp1(weights[t] - top);
-    float total = 0;
-    for (t = 0; t < n; t++) total += weights[t];
-    weigh_values(weights, values, n, dim, 1.0f / total, out);
+    for (; t < n; t++) w[t] = exp1(w[t] - top);
 }
+
+DEFINE_ATTEND_ONE(f32, float)
+DEFINE_ATTEND_ONE(f16, uint16_t)
 
 /* Causal self-attention of a step's new rows over their slots' cached history (float32), the rows'
  * own keys and values written into the cache first.
@@ -222,7 +249,7 @@ void cadence_attend(const float *q, long q_stride, const float *k, long k_stride
             const long r = job / heads, h = job % heads, p = row_positions[r];
             const long first = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
             const long base = row_slots[r] * slot_stride + (h / group) * head_stride + first * dim;
-            attend_one(q + r * q_stride + h * dim, cache_k + base, cache_v + base, p + 1 - first, dim, scale,
+            attend_one_f32(q + r * q_stride + h * dim, cache_k + base, cache_v + base, p + 1 - first, dim, scale,
                        weights, out + r * heads * dim + h * dim);
         }
         free(weights);
@@ -231,19 +258,25 @@ void cadence_attend(const float *q, long q_stride, const float *k, long k_stride
 
 /* Attention of a step's rows over their slots' fixed memory (Whisper's encoder output, projected): row r's
  * head h reads positions 0 .. length - 1 of memory_k, memory_v [slots, heads, positions, dim] (slot and
- * head strides given) at its slot. q as in cadence_attend; out: [rows, heads * dim]. */
-void cadence_attend_memory(const float *q, long q_stride, long rows, long heads, long dim, const long *row_slots,
-                           const float *memory_k, const float *memory_v, long slot_stride, long head_stride,
-                           long length, float scale, float *out) {
-#pragma omp parallel if (rows * heads * length >= 1024)
-    {
-        float *weights = malloc(sizeof(float) * (size_t)length);
-#pragma omp for schedule(static)
-        for (long job = 0; job < rows * heads; job++) {
-            const long r = job / heads, h = job % heads, base = row_slots[r] * slot_stride + h * head_stride;
-            attend_one(q + r * q_stride + h * dim, memory_k + base, memory_v + base, length, dim, scale, weights,
-                       out + r * heads * dim + h * dim);
-        }
-        free(weights);
+ * head strides given; float, or half floats in the _f16 version) at its slot. q as in cadence_attend;
+ * out: [rows, heads * dim]. */
+#define DEFINE_ATTEND_MEMORY(S, T)                                                                        \
+    void cadence_attend_memory_##S(const float *q, long q_stride, long rows, long heads, long dim,        \
+                                   const long *row_slots, const T *memory_k, const T *memory_v,            \
+                                   long slot_stride, long head_stride, long length, float scale, float *out) { \
+        _Pragma("omp parallel if (rows * heads * length >= 1024)") {                                       \
+            float *weights = malloc(sizeof(float) * (size_t)length);                                       \
+            _Pragma("omp for schedule(static)")                                                            \
+            for (long job = 0; job < rows * heads; job++) {                                                \
+                const long r = job / heads, h = job % heads, base = row_slots[r] * slot_stride + h * head_stride; \
+                attend_one_##S(q + r * q_stride + h * dim, memory_k + base, memory_v + base, length, dim, scale, \
+                               weights, out + r * heads * dim + h * dim);                                  \
+            }                                                                                              \
+            free(weights);                                                                                 \
+        }                                                                                                  \
     }
-}
+DEFINE_ATTEND_MEMORY(f32, float)
+DEFINE_ATTEND_MEMORY(f16, uint16_t)
+
+/* Whether half floats are converted with F16C here (else in plain C, slower, the same values). */
+int cadence_f16c(void) { return VECTOR; }
