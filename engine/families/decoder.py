@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import native
 from engine.kernels import Linear, activation_dtype, attention_dtype
 from engine.loading import LoadedModel
 from engine.families.rope import SINGLE, context_limit, longrope_switch, rope_table
@@ -227,8 +228,6 @@ class DecoderOnly(BatchedDecoder):
     def _add_norm(self, x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + h, its RMS norm by ``weight``); h None: (x, x's norm)."""
         if self._fused_ops:
-            from engine import native
-
             return native.add_rms_norm(x, h, weight, self.eps)
         if h is not None:
             x = x + h
@@ -237,8 +236,6 @@ class DecoderOnly(BatchedDecoder):
     def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """activation(gate) * up, the MLP's gate and up halves side by side in each row."""
         if self._fused_ops and self.activation is F.silu:
-            from engine import native
-
             return native.silu_mul(gate_up, self._ffn)
         gate, up = gate_up.split(self._ffn, dim=-1)
         return self.activation(gate) * up
@@ -250,8 +247,6 @@ class DecoderOnly(BatchedDecoder):
         if layer.qk_norm is not None:
             qk = F.rms_norm(qk, (D,), None, self.eps) * layer.qk_norm
         if layer.rope is not None and layer.rope not in turns:  # fused: rotated where it lies
-            from engine import native
-
             native.rotary(qk.view(R, -1) if qk.is_contiguous() else qkv, self.heads + self.kv_heads,
                           *self.tables[layer.rope], turns["rows"])  # in place: qk is this step's own
         elif layer.rope is not None:
@@ -294,9 +289,7 @@ class DecoderOnly(BatchedDecoder):
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.qkv(normed), turns)
             if self._fused_ops and self.softcap is None:
-                from engine import native
-
-                a = native.attend(q, k, v, self.cache.k[i], self.cache.v[i], batch.row_slots, batch.row_positions,
+                    a = native.attend(q, k, v, self.cache.k[i], self.cache.v[i], batch.row_slots, batch.row_positions,
                                   layer.window, self.scale or self.head_dim ** -0.5)
             else:
                 a = attend(q, k, v, self.cache, i, batch, masks[layer.window], self.scale, self.softcap)

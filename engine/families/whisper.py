@@ -20,6 +20,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from engine import native
 from engine.kernels import Linear, activation_dtype, attention_dtype, precision_of
 from engine.loading import LoadedModel
 from engine.seam import BatchedDecoder, SlotKVCache, StepBatch, attend, attend_fixed, attention_way, round_up
@@ -222,16 +223,12 @@ class WhisperBatched(BatchedDecoder):
 
     def _self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int, batch: StepBatch) -> torch.Tensor:
         if self._fused_attention:
-            from engine import native
-
             return native.attend(q, k, v, self.cache.k[i], self.cache.v[i], batch.row_slots, batch.row_positions,
                                  None, self.head_dim ** -0.5)
         return attend(q, k, v, self.cache, i, batch)
 
     def _cross_attention(self, q: torch.Tensor, i: int, batch: StepBatch) -> torch.Tensor:
         if self._fused_attention:
-            from engine import native
-
             return native.attend_memory(q, self.cross_k[i], self.cross_v[i], batch.row_slots, self.memory_len,
                                         self.head_dim ** -0.5)
         keys, values = self.cross_k[i], self.cross_v[i]

@@ -160,6 +160,11 @@ def rotary(x, heads: int, cos, sin, table_rows) -> None:
                                   sin.data_ptr(), table_rows.data_ptr())
 
 
+def _heads_packed(t):
+    """t [R, heads, D] with each row's heads side by side (the row stride may be anything)."""
+    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
+
+
 def attend(q, k, v, cache_k, cache_v, row_slots, row_positions, window: int | None, scale: float):
     """Causal self-attention of a step's rows (float32 CPU): q [R, H, D], k and v [R, Hkv, D], written
     into cache_k, cache_v [slots, Hkv, positions, D] (contiguous) at each row's slot and position
@@ -168,12 +173,7 @@ def attend(q, k, v, cache_k, cache_v, row_slots, row_positions, window: int | No
     import torch
 
     rows, heads, dim = q.shape
-    if q.stride(2) != 1 or q.stride(1) != dim:
-        q = q.contiguous()
-    if k.stride(2) != 1 or k.stride(1) != dim:
-        k = k.contiguous()
-    if v.stride(2) != 1 or v.stride(1) != dim:
-        v = v.contiguous()
+    q, k, v = _heads_packed(q), _heads_packed(k), _heads_packed(v)
     row_slots, row_positions = row_slots.contiguous(), row_positions.contiguous()  # one slot's rows: stride 0
     out = torch.empty(rows, heads * dim, dtype=torch.float32)
     int8_library().cadence_attend(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
@@ -201,9 +201,7 @@ def attend_memory(q, memory_k, memory_v, row_slots, length: int, scale: float):
     import torch
 
     rows, heads, dim = q.shape
-    if q.stride(2) != 1 or q.stride(1) != dim:
-        q = q.contiguous()
-    row_slots = row_slots.contiguous()
+    q, row_slots = _heads_packed(q), row_slots.contiguous()
     out = torch.empty(rows, heads * dim, dtype=torch.float32)
     library = int8_library()
     run = library.cadence_attend_memory_f16 if memory_k.dtype == torch.float16 else library.cadence_attend_memory_f32
