@@ -108,12 +108,13 @@ def test_timed_phrases_batched_and_drafted_equal_the_reference(engine4, engine_o
 
 def test_an_hour_of_speech(session_dir):
     """One hour of generated speech (a minute of varied sentences, sixty times), about 120 windows, in
-    bfloat16 where the machine offers it, else int8 (this checks length and words, not float32 parity; on
-    a 2-core AMD EPYC without bfloat16, int8 took the hour in about half float32's time)."""
+    bfloat16 where the machine offers it, else int8 (this checks length and words, not float32 parity; in
+    `make test` on a 2-core AMD EPYC without bfloat16 it took 130 s in int8, against 163 s in float32 in an
+    earlier run of the same day: not side by side)."""
     from engine.kernels import precisions_on
 
     precision = "bfloat16" if "bfloat16" in precisions_on("cpu") else "int8"
-    # 16 slots, drafting as shipped: on a quiet 2-core AMD EPYC the hour took 96 s, against 114 s at 8 undrafted.
+    # 16 slots, drafting as shipped: on a quiet 2-core AMD EPYC the hour took 96 s in float32, against 114 s at 8 undrafted.
     engine = Engine(backend="cpu", batch=16, precision=precision)
     try:
         _transcribe_an_hour(engine, session_dir)
