@@ -158,14 +158,19 @@ def vllm_whisper_folder(converted: Path, out: Path) -> Path:
 
 
 def vllm_server(folder: Path, name: str, threads: int, context: int = 2048, kv_cache_gb: float = 2,
-                extra: tuple[str, ...] = ()) -> Server:
+                extra: tuple[str, ...] = (), engine_in_process: bool = False) -> Server:
+    """vLLM's OpenAI-compatible server. ``engine_in_process``: its engine core runs inside the API server's
+    process instead of a process of its own (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0), which saves importing
+    vLLM and torch once more at start (a server was ready after 36 s instead of 48 s on 2 free AMD EPYC cores,
+    one thread) but no longer overlaps the HTTP work with decoding: for the tests, not for a benchmark."""
     if not VLLM_PYTHON.exists():
         raise RuntimeError(f"{VLLM_PYTHON} is missing: `bash packaging/vllm-venv.sh` builds it.")
     port = free_port()
     # (the KV cache's size as a flag, in bytes: VLLM_CPU_KVCACHE_SPACE takes whole GiB only and overrides the flag)
     env = {"OMP_NUM_THREADS": str(threads),
            "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+           "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if engine_in_process else {})}
     return Server("vLLM", [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                            "--served-model-name", name, "--dtype", "float32", "--host", "127.0.0.1",
                            "--port", str(port), "--max-model-len", str(context),

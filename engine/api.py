@@ -75,6 +75,30 @@ def parse_precision(value) -> str:
 
 
 
+DRAFTER_ENV = "CADENCE_DRAFTER"
+DRAFTER_CHOICES = ("auto", "mtp", "ngram", "draft:MODEL", "off")
+MAX_DEPTH = 8  # draft tokens per slot and step, at most
+
+
+def parse_drafter(value) -> str:
+    """'auto', 'mtp', 'ngram', 'off' or 'draft:MODEL'; one clear sentence for anything else."""
+    text = str(value or "auto").strip()
+    low = text.lower()
+    if low in ("auto", "mtp", "ngram", "off"):
+        return low
+    if low.startswith("draft:") and text[6:].strip():
+        return "draft:" + text[6:].strip()
+    raise RequestError(f"Unknown drafter {value!r}: use one of {', '.join(DRAFTER_CHOICES)}.")
+
+
+def check_draft_limits(draft_depth, draft_min_p) -> None:
+    """A fixed draft depth (None: chosen per slot) and the MTP drafts' least probability, or a sentence."""
+    if draft_depth is not None and (not isinstance(draft_depth, int) or not 0 <= draft_depth <= MAX_DEPTH):
+        raise CadenceError(f"Draft depth must be a whole number from 0 to {MAX_DEPTH} (got {draft_depth}).")
+    if not isinstance(draft_min_p, (int, float)) or not 0 <= draft_min_p < 1:
+        raise CadenceError(f"The draft min-p must be at least 0 and below 1 (got {draft_min_p}).")
+
+
 CONTEXT_ENV = "CADENCE_CONTEXT"  # auto | N: positions per chat slot, when no context is given
 MIN_CONTEXT = 64
 

@@ -30,28 +30,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.errors import CadenceError, RequestError
-
-DRAFTER_ENV = "CADENCE_DRAFTER"
-DRAFTER_CHOICES = ("auto", "mtp", "ngram", "draft:MODEL", "off")
-MAX_DEPTH = 8  # draft tokens per slot and step, at most
+# (the drafter's spelling and limits are checked in engine.api, which the command line reads before torch loads)
+from engine.api import MAX_DEPTH
+from engine.errors import CadenceError
 PRIOR_ACCEPTANCE = 0.5  # a new slot's guess of its acceptance at each draft position
 EMA = 0.25  # weight of the newest observation in the acceptance and cost averages
 ROW_FLOOR = 0.01  # a draft row costs at least this share of its step
 MIN_GAIN = 0.02  # a draft expected to add less than this many tokens is never worth its row
 PATH_PAST_BEST = 16  # the planner looks this many draft rows past its best point, no further
 RELAX = 0.05  # per step without drafts, a slot's acceptance moves this share back toward the lane's
-
-
-def parse_drafter(value) -> str:
-    """'auto', 'mtp', 'ngram', 'off' or 'draft:MODEL'; one clear sentence for anything else."""
-    text = str(value or "auto").strip()
-    low = text.lower()
-    if low in ("auto", "mtp", "ngram", "off"):
-        return low
-    if low.startswith("draft:") and text[6:].strip():
-        return "draft:" + text[6:].strip()
-    raise RequestError(f"Unknown drafter {value!r}: use one of {', '.join(DRAFTER_CHOICES)}.")
 
 
 # ------------------------------------------------------------------------------------------ counts

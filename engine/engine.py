@@ -68,7 +68,7 @@ class Engine:
         'interactive' (the app: each stream stays quick) or 'throughput' (a server: the most tokens
         per second over all streams)."""
         from engine.backend import resolve_backend
-        from engine.drafting import DRAFTER_ENV, MAX_DEPTH, parse_drafter
+        from engine.api import DRAFTER_ENV, check_draft_limits, parse_drafter
         from engine.calibration import WIDTH_RULES
         from engine.kernels import check_precision
 
@@ -89,10 +89,7 @@ class Engine:
         self.width_rule = width_rule
         self.context = parse_context(context if context is not None else os.environ.get(CONTEXT_ENV) or "auto")
         self.drafter = parse_drafter(drafter if drafter is not None else os.environ.get(DRAFTER_ENV, "auto"))
-        if draft_depth is not None and (not isinstance(draft_depth, int) or not 0 <= draft_depth <= MAX_DEPTH):
-            raise CadenceError(f"Draft depth must be a whole number from 0 to {MAX_DEPTH} (got {draft_depth}).")
-        if not isinstance(draft_min_p, (int, float)) or not 0 <= draft_min_p < 1:
-            raise CadenceError(f"The draft min-p must be at least 0 and below 1 (got {draft_min_p}).")
+        check_draft_limits(draft_depth, draft_min_p)
         self.draft_depth, self.draft_min_p = draft_depth, float(draft_min_p)
         step_log = step_log or os.environ.get(STEP_STATS_ENV)
         self._step_log = open(step_log, "a", buffering=1, encoding="utf-8") if step_log else None

@@ -128,10 +128,12 @@ def smollm():
 @pytest.fixture(scope="session")
 def engine4():
     """A running engine with 4 slots per lane, shared by the suite (models load once). Its chat slots
-    hold 2048 tokens (smollm2's own context is 8192), so the tests that overflow a slot stay short."""
+    hold 1024 tokens (smollm2's own context is 8192), so the tests that overflow a slot stay short: each
+    prompt near a slot's length is prefilled in float32 by the engine and again by the reference (at 2048
+    the two overflow tests took 75 s of a 2-core machine)."""
     from engine import Engine
 
-    eng = Engine(backend="cpu", batch=4, precision="float32", context=2048)
+    eng = Engine(backend="cpu", batch=4, precision="float32", context=1024)
     yield eng
     eng.shutdown()
 

@@ -13,12 +13,12 @@ import torch
 from parity import assert_same_or_near_tie
 
 from engine.chat.reference import build_messages
+from engine.api import parse_drafter
 from engine.drafting import (
     DepthPlanner,
     Drafter,
     NgramDrafter,
     StepCost,
-    parse_drafter,
 )
 from engine import ChatRequest, Engine, TranscribeRequest
 from engine.errors import CadenceError

@@ -153,7 +153,9 @@ def test_auto_measures_picks_and_records_its_choice(tiny, speech):
 
 def test_a_choice_measured_while_the_machine_got_busy_serves_but_is_not_kept(tiny, monkeypatch):
     """float32 is timed before and after the others; when the machine slows down in between (here: its second
-    timing scored as a machine ten times slower), the choice is used but not cached, and says why."""
+    timing scored as a machine ten times slower), the choice is used but not cached, and says why. (Only the
+    timings matter here: every precision is given the check speech's own text, so none is left out for its
+    words and the check's transcriptions, the test above's, are not decoded again.)"""
     import engine.calibration
     import engine.precision
     from engine.calibration import device_identity
@@ -172,6 +174,8 @@ def test_a_choice_measured_while_the_machine_got_busy_serves_but_is_not_kept(tin
         return entry
 
     monkeypatch.setattr(engine.precision, "whisper_speed", slower_the_second_time)
+    text = engine.precision.check_speech()[1]
+    monkeypatch.setattr(engine.precision, "whisper_transcript", lambda decoder, reference, samples: text)
     monkeypatch.setattr(engine.calibration, "UNSTEADY", SHIPPED_UNSTEADY)  # (the suite keeps every choice)
     key = "busy-" + source_key(tiny.source)
     choice = choose_precision(tiny, WhisperReference(tiny), lambda p: WhisperBatched(tiny, precision=p), key)

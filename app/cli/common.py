@@ -215,9 +215,9 @@ def add_engine_flags(p: argparse.ArgumentParser, backends, auto_width: str = "me
 
 
 def engine_options(args) -> dict:
-    """The engine's drafting, precision and context arguments from the command line (the precision's
-    and context's spelling checked here, before anything loads)."""
-    from engine.api import parse_context, parse_precision
+    """The engine's drafting, precision and context arguments from the command line (their spelling and
+    limits checked here, before torch and the models load: a mistyped flag is answered at once)."""
+    from engine.api import check_draft_limits, parse_context, parse_drafter, parse_precision
 
     def checked(flag: str, value, parse):
         if value is None:
@@ -227,6 +227,9 @@ def engine_options(args) -> dict:
         except CadenceError as exc:
             raise CadenceError(f"{flag}: {exc}") from None
 
+    if args.drafter is not None:
+        parse_drafter(args.drafter)
+    check_draft_limits(args.draft_depth, args.draft_min_p)
     return {"drafter": args.drafter, "draft_depth": args.draft_depth, "draft_min_p": args.draft_min_p,
             "precision": checked("--precision", args.precision, parse_precision),
             "context": checked("--context", args.context, parse_context)}
