@@ -2,8 +2,9 @@
 
 Models: the real configs and tokenizers of whisper-base and SmolLM2-135M-Instruct with seeded
 random weights (see bench/prepare_device_check.py for why). Exactness runs in float32 with TF32
-off, where the near-tie rule (gap < 1e-3) means something; throughput runs in the backend's own
-dtype (float16 Whisper, bfloat16 chat).
+off, where the near-tie rule (gap < 1e-3) means something; then each precision the GPU offers
+(bfloat16, int8) is checked for batched = serial and timed at a few widths; the width tables run
+in bfloat16.
 
     python3 bench/device_check.py --assets .device --out OUT_DIR
 """
@@ -32,6 +33,7 @@ PROMPTS = [
 ]
 LINES: list[str] = []
 DEVICE = "cuda"
+THROUGHPUT_PRECISION = "bfloat16"  # set to float32 for a CPU dry run where bfloat16 is missing
 
 
 def say(line: str = "") -> None:
@@ -85,7 +87,8 @@ def exactness(models: dict[str, Path], clips: list[np.ndarray]) -> bool:
     torch.backends.cudnn.allow_tf32 = False
     ok = True
     chat, whisper = str(models["smollm2-135m-instruct"]), str(models["whisper-base"])
-    on, off = Engine(backend=DEVICE, batch=8), Engine(backend=DEVICE, batch="off")
+    on = Engine(backend=DEVICE, batch=8, precision="float32")
+    off = Engine(backend=DEVICE, batch="off", precision="float32")
     try:
         params = SamplingParams(max_tokens=48)
         say("## Exactness on the GPU (float32, random weights in the real shapes)\n")
@@ -123,6 +126,53 @@ def exactness(models: dict[str, Path], clips: list[np.ndarray]) -> bool:
     return ok
 
 
+def per_precision(models: dict[str, Path], clips: list[np.ndarray], widths: list[int]) -> bool:
+    """Each precision the device offers: batched = serial (chat and Whisper) and chat speed by width."""
+    from engine import ChatRequest, Engine, TranscribeRequest
+    from engine.kernels import precisions_on
+    from engine.sampling import SamplingParams
+
+    chat, whisper = str(models["smollm2-135m-instruct"]), str(models["whisper-base"])
+    params = SamplingParams(max_tokens=48)
+    say("\n## Per precision: batched = serial, and chat speed (64 tokens a request)\n")
+    say("| precision | chat, 8 prompts identical | whisper, clips identical | " +
+        " | ".join(f"chat tok/s N={w}" for w in widths) + " |")
+    say("|---|---|---|" + "---|" * len(widths))
+    ok = True
+    for precision in precisions_on(DEVICE):
+        off = Engine(backend=DEVICE, batch="off", precision=precision)
+        on = Engine(backend=DEVICE, batch=8, precision=precision)
+        try:
+            alone = [off.submit(ChatRequest(p, model=chat, params=params)).result(600).tokens for p in PROMPTS]
+            together = [h.result(600).tokens for h in [on.submit(ChatRequest(p, model=chat, params=params))
+                                                          for p in PROMPTS]]
+            chat_same = sum(a == b for a, b in zip(alone, together))
+            w_alone = [off.submit(TranscribeRequest(c, model=whisper, language="en")).result(600) for c in clips]
+            w_batch = [h.result(600) for h in [on.submit(TranscribeRequest(c, model=whisper, language="en"))
+                                               for c in clips]]
+            w_same = sum([s.tokens for s in a.segments] == [s.tokens for s in b.segments]
+                         for a, b in zip(w_alone, w_batch))
+        finally:
+            off.shutdown()
+            on.shutdown()
+        ok &= precision != "float32" or (chat_same == len(PROMPTS) and w_same == len(clips))
+        rates = []
+        for w in widths:
+            engine = Engine(backend=DEVICE, batch=w, precision=precision)
+            try:
+                engine.submit(ChatRequest("warm up", model=chat, params=SamplingParams(max_tokens=4))).result(600)
+                t0 = time.perf_counter()
+                done = [h.result(600) for h in [engine.submit(ChatRequest(PROMPTS[i % len(PROMPTS)], model=chat,
+                                                                          params=SamplingParams(max_tokens=64)))
+                                                for i in range(w)]]
+                rates.append(sum(len(r.tokens) for r in done) / (time.perf_counter() - t0))
+            finally:
+                engine.shutdown()
+        say(f"| {precision} | {chat_same}/{len(PROMPTS)} | {w_same}/{len(clips)} | " +
+            " | ".join(f"{r:.1f}" for r in rates) + " |")
+    return ok
+
+
 def throughput(models: dict[str, Path], clips: list[np.ndarray], widths: list[int], out: Path) -> None:
     from bench.analyze_steps import read_log
     from engine.chat.reference import ChatReference, build_messages
@@ -131,7 +181,7 @@ def throughput(models: dict[str, Path], clips: list[np.ndarray], widths: list[in
     from engine.sampling import SamplingParams
 
     chat, whisper = str(models["smollm2-135m-instruct"]), str(models["whisper-base"])
-    say("\n## Chat throughput, SmolLM2-135M shape, bfloat16, 64 tokens per request\n")
+    say(f"\n## Chat throughput, SmolLM2-135M shape, {THROUGHPUT_PRECISION}, 64 tokens per request\n")
     say("| width | Cadence aggregate tok/s | per slot tok/s | generate aggregate tok/s | ratio |")
     say("|---|---|---|---|---|")
     loaded = load(chat, device=DEVICE)
@@ -140,7 +190,7 @@ def throughput(models: dict[str, Path], clips: list[np.ndarray], widths: list[in
     base_rate = None
     for w in widths:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(w)]
-        engine = Engine(backend=DEVICE, batch=w)
+        engine = Engine(backend=DEVICE, batch=w, precision=THROUGHPUT_PRECISION)
         engine.submit(ChatRequest("warm up", model=chat, params=SamplingParams(max_tokens=4))).result(600)
         t0 = time.perf_counter()
         results = [h.result(600) for h in [engine.submit(ChatRequest(p, model=chat, params=params)) for p in prompts]]
@@ -160,13 +210,13 @@ def throughput(models: dict[str, Path], clips: list[np.ndarray], widths: list[in
         base_rate = base_rate or rate
         say(f"| {w} | {rate:.1f} ({rate / base_rate:.2f}x N=1) | {per_slot:.1f} | {g_rate:.1f} | {rate / g_rate:.2f}x |")
 
-    say("\n## Whisper decode throughput, whisper-base shape, float16 (decode steps only, from the step log)\n")
+    say(f"\n## Whisper decode throughput, whisper-base shape, {THROUGHPUT_PRECISION} (decode steps only, from the step log)\n")
     say("| width | decode aggregate tok/s | vs N=1 | mean busy slots | end to end (s) |")
     say("|---|---|---|---|---|")
     base_rate = None
     for w in widths:
         log = out / f"whisper-steps-{w}.jsonl"
-        engine = Engine(backend=DEVICE, batch=w)
+        engine = Engine(backend=DEVICE, batch=w, precision=THROUGHPUT_PRECISION)
         engine.submit(TranscribeRequest(clips[0], model=whisper, language="en")).result(600)
         engine.log_steps(log)
         batch = [clips[i % len(clips)] for i in range(max(w, len(clips)))]
@@ -182,7 +232,7 @@ def throughput(models: dict[str, Path], clips: list[np.ndarray], widths: list[in
             f"{wall:.2f} |")
 
     say("\n## Calibration on this GPU\n")
-    engine = Engine(backend=DEVICE, batch="auto")
+    engine = Engine(backend=DEVICE, batch="auto", precision=THROUGHPUT_PRECISION)
     engine.submit(ChatRequest("hi", model=chat, params=SamplingParams(max_tokens=2))).result(600)
     engine.submit(TranscribeRequest(clips[0], model=whisper, language="en")).result(600)
     for model, lane in engine.status()["lanes"].items():
@@ -199,9 +249,11 @@ def main() -> int:
     parser.add_argument("--widths", default="1,2,4,8,16,32,64")
     parser.add_argument("--device", default="cuda", help="cpu only for a dry run of the script itself")
     parser.add_argument("--clips", type=int, default=8)
+    parser.add_argument("--precision-widths", default="1,8,32")
+    parser.add_argument("--throughput-precision", default="bfloat16")
     args = parser.parse_args()
-    global DEVICE
-    DEVICE = args.device
+    global DEVICE, THROUGHPUT_PRECISION
+    DEVICE, THROUGHPUT_PRECISION = args.device, args.throughput_precision
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("No CUDA device: this check is for a GPU machine.", file=sys.stderr)
         return 2
@@ -215,6 +267,7 @@ def main() -> int:
         clips = [data[k] for k in data.files][: args.clips]
     models = random_models(args.assets, Path("/tmp/cadence-device-models"))
     ok = exactness(models, clips)
+    ok &= per_precision(models, clips, [int(w) for w in args.precision_widths.split(",")])
     throughput(models, clips, [int(w) for w in args.widths.split(",")], args.out)
     say(f"\nInvariants {'hold' if ok else 'FAILED'}; total {time.perf_counter() - t0:.0f} s")
     (args.out / "device_check.md").write_text("\n".join(LINES) + "\n")

@@ -5,7 +5,7 @@
 # There:       bash bench/device_check.sh                        (carry .device)
 #
 # The GPU machine has Python with PyTorch, transformers, tokenizers, safetensors and numpy but no
-# network: the one missing pure-Python package (platformdirs) comes as a wheel in .device/wheels.
+# network: the missing pure-Python packages (platformdirs, silero-vad) come as wheels in .device/wheels.
 # Results: stdout, and $OUT/device_check.md when $OUT is set (else bench/out/).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,7 +1,8 @@
 """Prepare what bench/device_check.sh needs on a bare GPU machine that cannot reach the network.
 
 Writes ``.device/`` (ignored by git, carried to the machine, under the 64 MiB a call may carry):
-- ``wheels/``: the one pure-Python dependency the GPU image lacks (platformdirs);
+- ``wheels/``: the pure-Python dependencies the GPU image lacks (platformdirs; silero-vad, which the
+  default transcription path's voice-activity windows need), at the versions installed here;
 - ``models/whisper-base/`` and ``models/smollm2-135m-instruct/``: each model's config and
   tokenizer without weights. The check fills them with seeded random weights there: the real
   weights (whisper-tiny.en alone is 75 MB in float16) do not fit in what a call carries. Step
@@ -33,8 +34,10 @@ def main() -> int:
     out = ROOT / ".device"
     shutil.rmtree(out, ignore_errors=True)
     (out / "models").mkdir(parents=True)
+    from importlib.metadata import version
+
     subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                    "--dest", str(out / "wheels"), "platformdirs"], check=True)
+                    "--dest", str(out / "wheels"), "platformdirs", f"silero-vad=={version('silero-vad')}"], check=True)
 
     for name in ("whisper-base", "smollm2-135m-instruct"):
         loaded = load(name)

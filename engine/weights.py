@@ -57,7 +57,8 @@ class WeightPrep:
         if q is None or scale is None or tuple(q.shape) != tuple(weight.shape) or tuple(scale.shape) != layout:
             q, scale = quantize_int8(weight, group)
             self.made[f"{name}.q"], self.made[f"{name}.scale"] = q, scale
-        return q, scale
+        # The cache is read onto the CPU: a GPU's layer would otherwise be built there (and run the CPU kernel).
+        return q.to(weight.device), scale.to(weight.device)
 
     def linear(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
                invariant: bool = True) -> Linear:
