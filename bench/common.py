@@ -46,6 +46,20 @@ def faster_whisper_model(name: str, folder: Path, threads: int, compute_type: st
     return WhisperModel(str(folder), device="cpu", compute_type=compute_type, cpu_threads=threads)
 
 
+def in_own_process(fn, *args):
+    """Run ``fn(*args)`` in a fresh Python process and return its result (``fn`` at a module's top level).
+
+    For a baseline that brings its own threads: llama.cpp's OpenMP pool, run in the benchmark's
+    process, lingered and slowed every Cadence engine measured after it (an Intel Xeon, 2 cores:
+    int8 at N=8 301 tok/s before one llama.cpp run, 185 after). Users run the two as separate programs.
+    """
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def in_fresh_thread(fn, *args, **kwargs):
     """Run ``fn`` on a new thread and return its result.
 

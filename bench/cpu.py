@@ -5,7 +5,8 @@ decode throughput with prefill excluded, aggregate over N streams decoded togeth
 - Cadence in each precision the machine offers (drafting off: the raw step), and Cadence as it
   ships (precision auto, drafting auto);
 - llama.cpp through llama-cpp-python (the registry's Q4_1 GGUF, threads = cores, one sequence id
-  per stream, greedy on its logits), installed by ``make setup`` (the test extra);
+  per stream, greedy on its logits), installed by ``make setup`` (the test extra), each run in a
+  process of its own (its OpenMP threads, left in this one, slowed the engines measured after it);
 - transformers ``generate`` (float32, left-padded batch), decode time = T(tokens) - T(1 token).
 Quality: each precision's top-1 agreement with float32 on the fixed check prompts
 (engine.precision), and how many of the N=8 stories equal float32's tokens.
@@ -182,6 +183,7 @@ def generate_decode(n: int, tokens: int) -> float:
 
 # ---------------------------------------------------------------------------- main
 def chat_part(widths: list[int], tokens: int, rounds: int = 1) -> None:
+    from bench.common import in_own_process
     from engine.chat.reference import ChatReference, build_messages
     from engine.kernels import precisions_on
     from engine.loading import load
@@ -194,8 +196,8 @@ def chat_part(widths: list[int], tokens: int, rounds: int = 1) -> None:
                     lambda n: cadence_decode(n, tokens, "auto", "auto")))
     if importlib.util.find_spec("llama_cpp") is not None:
         ref = ChatReference(load(CHAT))
-        engines.append((llama, None, lambda n: (llama_cpp_decode(
-            n, tokens, [ref.prompt_ids(build_messages(p)) for p in prompts(n)]), None)))
+        engines.append((llama, None, lambda n: (in_own_process(  # its threads must not linger in ours
+            llama_cpp_decode, n, tokens, [ref.prompt_ids(build_messages(p)) for p in prompts(n)]), None)))
     else:
         print("(llama-cpp-python is not installed (`make setup` builds it); its rows are left out)\n")
     samples: dict[tuple[str, int], list[float]] = {}

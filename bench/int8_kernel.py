@@ -1,12 +1,13 @@
 """Every matrix product of one SmolLM2-135M decode step, per kernel, at several row counts.
 
-    .venv/bin/python bench/int8_kernel.py [--rows 1,8,16,32] [--repeats 5]
+    .venv/bin/python bench/int8_kernel.py [--rows 1,8,16,32] [--repeats 5] [--kinds float32,bfloat16,...]
 
 The model's own weights (30 layers' q/k/v, out, gate/up and down, and the 49152-row lm_head: 538 MB
 in float32, so a step reads from memory, not cache), through engine.kernels.Linear in each way this
-machine can run them: float32 (oneDNN's packed layout), int8 with the native kernel built here
-(engine/native: groups of 32 inputs per scale), and int8 with PyTorch's per-channel kernel (the
-fallback where no compiler is found). Prints the CPU model with the figures; run on a quiet machine.
+machine can run them: float32 (oneDNN's packed layout), bfloat16 (where the CPU has it), int8 with
+the native kernel built here (engine/native: groups of 32 inputs per scale; "8 lanes" / "16 lanes"
+force either of its two kernels, the second AVX-512 only), and int8 with PyTorch's per-channel
+kernel (the fallback where no compiler is found). Prints the CPU model with the figures; run on a quiet machine.
 Kernels alternate within each repeat, so a machine drifting in speed moves them alike.
 """
 
@@ -28,9 +29,9 @@ def layers(kind: str, weights: list[torch.Tensor]):
     from engine import kernels
     from engine.kernels import Linear
 
-    if kind == "float32":
-        return [Linear(w) for w in weights]
-    if kind == "int8 native":
+    if kind in ("float32", "bfloat16"):
+        return [Linear(w, precision=kind) for w in weights]
+    if kind.startswith("int8 native"):
         return [Linear(w, precision="int8") for w in weights]
     native_group = kernels.int8_group  # int8, PyTorch's per-channel kernel: what int8 runs where
     kernels.int8_group = lambda *_: 0   # engine/native cannot be built (no compiler)
@@ -46,6 +47,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--kinds", default="float32,int8 native,int8 per-channel (PyTorch)")
     args = parser.parse_args()
+    from engine import native
     from engine.calibration import device_identity
     from engine.loading import load
 
@@ -68,6 +70,8 @@ def main() -> None:
             inputs = {size: torch.randn(n, size) for size in {w.shape[1] for w in weights}}
             for _ in range(args.repeats + 1):  # the first round warms caches and is dropped
                 for kind in kinds:
+                    if kind.endswith(" lanes"):  # "int8 native, 16 lanes": that kernel, whatever this machine chose
+                        native._LANES[:] = [int(kind.split()[-2])]
                     t0 = time.perf_counter()
                     for layer in built[kind]:
                         layer(inputs[layer.in_features])

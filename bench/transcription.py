@@ -236,36 +236,40 @@ SEQUENTIAL_OPTIONS: dict = {}  # --fw-timestamps: the sequential run seeks by ti
 
 def run_faster_whisper(model: str, paths: list[Path], folder: Path, threads: int, batched: int,
                        timestamps: bool = False, compute_type: str = "float32") -> Run:
-    """faster-whisper from a fresh model (start-up included), on a thread of its own. ``timestamps``: the
-    batched pipeline decodes each chunk with time tokens (``without_timestamps=False``)."""
+    """faster-whisper from a fresh model (start-up included), in a process of its own: CTranslate2's
+    threads, left in this one, could slow the engines measured after it, and its users run it as a
+    program of its own. ``timestamps``: the batched pipeline decodes each chunk with time tokens
+    (``without_timestamps=False``)."""
+    from bench.common import in_own_process
 
-    def work():
-        from bench.common import faster_whisper_model
+    return in_own_process(faster_whisper_run, model, paths, folder, threads, batched, timestamps, compute_type,
+                          dict(SEQUENTIAL_OPTIONS))
 
-        start = time.perf_counter()
-        fw = faster_whisper_model(model, folder, threads, compute_type)
-        if batched:
-            from faster_whisper import BatchedInferencePipeline
 
-            pipeline = BatchedInferencePipeline(fw)
+def faster_whisper_run(model: str, paths: list[Path], folder: Path, threads: int, batched: int, timestamps: bool,
+                       compute_type: str, sequential_options: dict) -> Run:
+    from bench.common import faster_whisper_model
 
-            def transcribe(p):
-                return pipeline.transcribe(str(p), batch_size=batched,
-                                           **{**FW_OPTIONS, "without_timestamps": not timestamps})[0]
-        else:
-            def transcribe(p):
-                return fw.transcribe(str(p), **{**FW_OPTIONS, **SEQUENTIAL_OPTIONS})[0]
-        run = Run(0.0)
-        for p in paths:
-            segments = list(transcribe(p))
-            run.texts.append(" ".join(s.text.strip() for s in segments))
-            run.tokens.append([t for s in segments for t in s.tokens])
-        run.seconds = time.perf_counter() - start
-        return run
+    start = time.perf_counter()
+    fw = faster_whisper_model(model, folder, threads, compute_type)
+    if batched:
+        from faster_whisper import BatchedInferencePipeline
 
-    from bench.common import in_fresh_thread
+        pipeline = BatchedInferencePipeline(fw)
 
-    return in_fresh_thread(work)
+        def transcribe(p):
+            return pipeline.transcribe(str(p), batch_size=batched,
+                                       **{**FW_OPTIONS, "without_timestamps": not timestamps})[0]
+    else:
+        def transcribe(p):
+            return fw.transcribe(str(p), **{**FW_OPTIONS, **sequential_options})[0]
+    run = Run(0.0)
+    for p in paths:
+        segments = list(transcribe(p))
+        run.texts.append(" ".join(s.text.strip() for s in segments))
+        run.tokens.append([t for s in segments for t in s.tokens])
+    run.seconds = time.perf_counter() - start
+    return run
 
 
 def encoder_seconds(model: str) -> float:

@@ -11,8 +11,9 @@ prefilling or verifying drafts), so a step's time is mostly reading the weights.
   processor has bfloat16 instructions (or a GPU supports it).
 - ``int8``: weight-only, symmetric (``w = q * scale``), a quarter of float32's bytes. On CPU, where the
   machine has a C compiler, in groups of 32 inputs per scale (llama.cpp's Q8_0 grouping) computed by
-  :mod:`engine.native`'s kernel with float32 activations: built here for this processor, it reads the
-  int8 weights once per call for every row. Elsewhere (no compiler, a GPU), one scale per output
+  :mod:`engine.native`'s kernel with float32 activations (on every CPU, bfloat16 ones included; 8 or
+  16 lanes, timed once per machine): built here for this processor, it reads the int8 weights once per
+  call for every row. Elsewhere (no compiler, a GPU), one scale per output
   channel and ``torch.ops.aten._weight_int8pack_mm``, activations in bfloat16 where the CPU has
   bfloat16 instructions (else float32); its input is rounded to bfloat16 where that runs faster on
   this machine (measured once, :func:`int8_input_dtype`: on an AVX2-only AMD EPYC its float32 path is
@@ -81,12 +82,26 @@ def check_precision(precision: str, device: str | torch.device) -> str:
 
 
 def activation_dtype(precision: str, device: str | torch.device) -> torch.dtype:
-    """The dtype a model's activations (and caches) are kept in for a precision."""
+    """The dtype a model's activations (and caches) are kept in for a precision. int8 on CPU keeps
+    float32 activations where the native kernel runs it (its sums are float32, and the decoder's small
+    ops then run fused in C beside it) or where the CPU has no bfloat16 instructions; else bfloat16."""
     if precision == "float32":
         return torch.float32
-    if precision == "int8" and torch.device(device).type == "cpu" and not cpu_has_bf16():
-        return torch.float32  # no bfloat16 instructions: int8 weights with float32 activations
+    if precision == "int8" and torch.device(device).type == "cpu":
+        from engine import native
+
+        if native.int8_library() is not None or not cpu_has_bf16():
+            return torch.float32
     return torch.bfloat16
+
+
+def unquantized_dtype(precision: str, device: str | torch.device) -> torch.dtype:
+    """The dtype of layers a precision leaves unquantized (Whisper's encoder: 1500 rows a window, bound
+    by arithmetic, where int8 weights would only add dequantizing): bfloat16 for int8 where the device
+    has bfloat16 instructions (or is a GPU), else the precision's activation dtype."""
+    if precision == "int8" and "bfloat16" in precisions_on(device):
+        return torch.bfloat16
+    return activation_dtype(precision, device)
 
 
 def precision_of(dtype: torch.dtype) -> str:

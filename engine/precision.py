@@ -40,7 +40,7 @@ from engine.filelock import held
 from engine.paths import cache_dir
 from engine.seam import StepBatch
 
-CHOICE_VERSION = 6  # 2: Whisper's encoder memory kept in bfloat16 (its speed and words changed); 3: a longer check clip; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16
+CHOICE_VERSION = 7  # 2: Whisper's encoder memory kept in bfloat16 (its speed and words changed); 3: a longer check clip; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8 with float32 activations on bfloat16 CPUs too, 16 lanes where AVX-512 wins
 MIN_AGREEMENT = 0.97  # chat: share of positions whose top-1 token equals float32's
 MAX_WER_RISE = 0.005  # Whisper: word error rate at most this much above float32's (0.5 points)
 CHECK_TOKENS = 48  # chat: greedy tokens per check prompt

@@ -29,10 +29,15 @@ def test_the_kernel_builds_here_with_vector_instructions():
     assert library is not None, "a C compiler is installed by make setup: the kernel must build"
     assert native.int8_group() == 32
     assert library.cadence_int8_simd() == 1  # every CPU Cadence targets has AVX2 and FMA
+    lanes = native.int8_lanes()  # timed once, recorded beside the library
+    assert lanes == 8 or (lanes == 16 and library.cadence_int8_has16())
+    if library.cadence_int8_has16():
+        assert library.path.with_suffix(".lanes").read_text() == str(lanes)
 
 
+@pytest.mark.parametrize("lanes", [8, 16])  # 16 is the 8-lane kernel where the CPU has no AVX-512
 @pytest.mark.parametrize("out,size,with_bias", SHAPES)
-def test_sums_match_the_dequantized_weights(out, size, with_bias):
+def test_sums_match_the_dequantized_weights(out, size, with_bias, lanes):
     generator = torch.Generator().manual_seed(out)
     weight = torch.randn(out, size, generator=generator) * 0.05
     q, scale = quantize_int8(weight, 32)
@@ -41,7 +46,7 @@ def test_sums_match_the_dequantized_weights(out, size, with_bias):
     bias = torch.randn(out, generator=generator) if with_bias else None
     for rows in (1, 2, 3, 4, 5, 8, 13):
         x = torch.randn(rows, size, generator=generator)
-        y = native.int8_linear(x, q, scale, bias)
+        y = native.int8_linear(x, q, scale, bias, lanes)
         expected = x.double() @ dequantized(q, scale).T + (bias.double() if with_bias else 0)
         assert y.dtype == torch.float32 and y.shape == (rows, out)
         assert torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-4), (rows, (y.double() - expected).abs().max())
@@ -59,6 +64,11 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_the_call(out, size, with_b
         together = torch.cat([layer(chunk) for chunk in x.split(rows)])
         assert torch.equal(together, alone), rows
     assert torch.equal(layer(x[5:12]), alone[5:12])  # calls that start at another row
+    for lanes in (8, 16):  # both kernels, whichever this machine runs
+        solo = torch.cat([native.int8_linear(x[i : i + 1], layer.q, layer.scale, layer.bias, lanes) for i in range(37)])
+        for rows in (2, 3, 4, 5, 8, 9, 37):
+            together = torch.cat([native.int8_linear(c, layer.q, layer.scale, layer.bias, lanes) for c in x.split(rows)])
+            assert torch.equal(together, solo), (lanes, rows)
 
 
 def test_per_channel_weights_are_regrouped_for_the_native_kernel():
@@ -99,6 +109,20 @@ def test_native_kernels_can_be_turned_off(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "native False True"
     assert "Native kernels are turned off (CADENCE_NATIVE=0)." in done.stderr
+
+
+def test_int8_keeps_float32_activations_wherever_the_native_kernel_runs(tmp_path):
+    """With the kernel, int8's activations are float32 on every CPU (so its fused C ops run, bfloat16
+    CPUs included) and Whisper's unquantized encoder takes bfloat16 where the CPU has it; without the
+    kernel, bfloat16 CPUs feed PyTorch's int8 kernel bfloat16 rows."""
+    from engine.kernels import activation_dtype, cpu_has_bf16, unquantized_dtype
+
+    assert activation_dtype("int8", "cpu") == torch.float32
+    assert unquantized_dtype("int8", "cpu") == (torch.bfloat16 if cpu_has_bf16() else torch.float32)
+    assert unquantized_dtype("float32", "cpu") == torch.float32
+    probe = "from engine.kernels import activation_dtype; print(activation_dtype('int8', 'cpu'))"
+    off = _python(probe, CADENCE_NATIVE="0", CADENCE_CACHE_DIR=str(tmp_path))
+    assert off.stdout.strip() == ("torch.bfloat16" if cpu_has_bf16() else "torch.float32"), off.stderr
 
 
 def test_the_library_is_built_once_per_machine_and_reused(tmp_path):

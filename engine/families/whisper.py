@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import native
-from engine.kernels import Linear, activation_dtype, attention_dtype, precision_of
+from engine.kernels import Linear, activation_dtype, attention_dtype, precision_of, unquantized_dtype
 from engine.loading import LoadedModel
 from engine.seam import BatchedDecoder, SlotKVCache, StepBatch, attend, attend_fixed, attention_way, round_up
 from engine.weights import WeightPrep
@@ -81,25 +81,26 @@ class WhisperBatched(BatchedDecoder):
         prep = WeightPrep(loaded, precision)
         self.weights_from_cache = prep.from_cache
         # The encoder is compute-bound (1500 rows a window): int8 weights would only add dequantizing
-        # work there, so with int8 it runs in the int8 precision's activation dtype, unquantized.
-        encoder_prep = prep if precision != "int8" else WeightPrep(loaded, precision_of(dtype))
-        self.conv1 = (encoder.conv1.weight.detach().to(dtype), encoder.conv1.bias.detach().to(dtype))
-        self.conv2 = (encoder.conv2.weight.detach().to(dtype), encoder.conv2.bias.detach().to(dtype))
-        self.encoder_positions = encoder.embed_positions.weight.detach().to(dtype)
+        # work there, so with int8 it runs unquantized, in bfloat16 where the machine has it.
+        dtype_e = self.encoder_dtype = unquantized_dtype(precision, self.embed.device)
+        encoder_prep = prep if precision != "int8" else WeightPrep(loaded, precision_of(dtype_e))
+        self.conv1 = (encoder.conv1.weight.detach().to(dtype_e), encoder.conv1.bias.detach().to(dtype_e))
+        self.conv2 = (encoder.conv2.weight.detach().to(dtype_e), encoder.conv2.bias.detach().to(dtype_e))
+        self.encoder_positions = encoder.embed_positions.weight.detach().to(dtype_e)
         self.encoder_heads = cfg.encoder_attention_heads
         self.encoder_layers = []
         for i, layer in enumerate(encoder.layers):
             sa = layer.self_attn
             self.encoder_layers.append(_EncoderLayer(
-                attn_norm=_norm_of(layer.self_attn_layer_norm, dtype),
+                attn_norm=_norm_of(layer.self_attn_layer_norm, dtype_e),
                 qkv=encoder_prep.fused(f"encoder.{i}.qkv", [sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight],
                                        [sa.q_proj.bias, sa.k_proj.bias, sa.v_proj.bias], invariant=False),
                 out=encoder_prep.of(f"encoder.{i}.out", sa.out_proj, invariant=False),
-                ffn_norm=_norm_of(layer.final_layer_norm, dtype),
+                ffn_norm=_norm_of(layer.final_layer_norm, dtype_e),
                 fc1=encoder_prep.of(f"encoder.{i}.fc1", layer.fc1, invariant=False),
                 fc2=encoder_prep.of(f"encoder.{i}.fc2", layer.fc2, invariant=False),
             ))
-        self.encoder_norm = _norm_of(encoder.layer_norm, dtype)
+        self.encoder_norm = _norm_of(encoder.layer_norm, dtype_e)
         self.vocab_size = cfg.vocab_size
         self.d_model = cfg.d_model
         self.heads = cfg.decoder_attention_heads
@@ -172,7 +173,7 @@ class WhisperBatched(BatchedDecoder):
         lane can interleave a joining window's encoding with the running slots' decode steps.
         Returns (as the generator's value) the [n, 1500, d] encoder states of [n, mels, 3000] windows."""
         with torch.inference_mode():
-            x = F.gelu(F.conv1d(windows.to(self.dtype), *self.conv1, padding=1))
+            x = F.gelu(F.conv1d(windows.to(self.encoder_dtype), *self.conv1, padding=1))
             x = F.gelu(F.conv1d(x, *self.conv2, stride=2, padding=1)).transpose(1, 2)  # [n, M, d]
             n, M, d = x.shape
             x = (x + self.encoder_positions[:M]).reshape(n * M, d)

@@ -1,7 +1,9 @@
 """Small C kernels built on the user's machine, for what PyTorch's CPU kernels do slowly.
 
 ``int8_linear.c``: the group-wise int8 weight-only matrix product int8 precision uses on CPU (see
-:mod:`engine.kernels`); ``layer_ops.c``: the residual add with the RMS norm after it, the rotary
+:mod:`engine.kernels`), in 8 lanes (AVX2) and, where the processor has AVX-512, also in 16: the two
+sum in different orders, so which one runs is timed once per machine and recorded beside the library
+(:func:`int8_lanes`), and every run there gives the same bits; ``layer_ops.c``: the residual add with the RMS norm after it, the rotary
 embedding, SiLU(gate) * up and the attention over the KV cache, fused for the same precision's float32
 activations (see :mod:`engine.families.decoder`).
 Both go into one library, compiled once per machine with the system C compiler and
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _LOADED: list = []  # [library or None], once per process
+_LANES: list[int] = []  # [8 or 16]: the int8 kernel this machine runs, once read or timed
 
 
 def _cpu_flags() -> str:
@@ -82,12 +85,14 @@ def int8_library():
         importlib.import_module("torch")  # loads PyTorch's OpenMP runtime first, so the library shares its threads
 
         try:
-            library = ctypes.CDLL(str(_build(compiler)))
-            fn = library.cadence_int8_linear
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
-            for name in ("cadence_int8_group", "cadence_int8_max_in", "cadence_int8_simd"):
+            path = _build(compiler)
+            library = ctypes.CDLL(str(path))
+            library.path = path
+            for fn in (library.cadence_int8_linear, library.cadence_int8_linear16):
+                fn.restype = None
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+            for name in ("cadence_int8_group", "cadence_int8_max_in", "cadence_int8_simd", "cadence_int8_has16"):
                 getattr(library, name).restype = ctypes.c_int
             library.cadence_add_rms_norm.restype = library.cadence_rotary.restype = None
             library.cadence_add_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
@@ -117,18 +122,65 @@ def int8_group() -> int:
     return library.cadence_int8_group() if library is not None else 0
 
 
-def int8_linear(x, q, scale, bias=None):
+def int8_linear(x, q, scale, bias=None, lanes: int | None = None):
     """``x @ (q * scale per group).T + bias`` for float32 CPU tensors x [rows, in], q [out, in] int8,
-    scale [out, in / group] float32, bias [out] or None: a new float32 [rows, out]."""
+    scale [out, in / group] float32, bias [out] or None: a new float32 [rows, out]. ``lanes``: 8 or 16
+    to pick a kernel (tests, timing); None: this machine's (:func:`int8_lanes`)."""
     import torch
 
     library = int8_library()
     rows, out = x.shape[0], q.shape[0]
     y = torch.empty(rows, out, dtype=torch.float32)
     if rows:
-        library.cadence_int8_linear(x.data_ptr(), rows, x.shape[1], q.data_ptr(), scale.data_ptr(),
-                                    bias.data_ptr() if bias is not None else None, out, y.data_ptr())
+        run = library.cadence_int8_linear16 if (lanes or int8_lanes()) == 16 else library.cadence_int8_linear
+        run(x.data_ptr(), rows, x.shape[1], q.data_ptr(), scale.data_ptr(),
+            bias.data_ptr() if bias is not None else None, out, y.data_ptr())
     return y
+
+
+def int8_lanes() -> int:
+    """The int8 kernel's width on this machine: 16 where the processor has AVX-512 and the 16-lane
+    kernel measured faster than the 8-lane one (one decoder-sized layer at 1 and 8 rows, interleaved,
+    best of 7), else 8. Recorded beside the library, so every run on this machine sums alike."""
+    if _LANES:
+        return _LANES[0]
+    library = int8_library()
+    lanes = 8
+    if library is not None and library.cadence_int8_has16():
+        from engine.filelock import held
+
+        record = library.path.with_suffix(".lanes")
+        with held(record):
+            try:
+                lanes = int(record.read_text())
+            except (OSError, ValueError):
+                lanes = _time_lanes()
+                record.write_text(str(lanes))
+        lanes = lanes if lanes in (8, 16) else 8
+    _LANES.append(lanes)
+    return lanes
+
+
+def _time_lanes() -> int:
+    import time
+
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (1536, 576), generator=generator, dtype=torch.int8)
+    scale = torch.rand(1536, 576 // int8_group(), generator=generator) * 0.01
+    rows = [torch.randn(n, 576, generator=generator) for n in (1, 8)]
+    best = {8: float("inf"), 16: float("inf")}
+    for _ in range(7):
+        for lanes in best:
+            start = time.perf_counter()
+            for x in rows:
+                for _ in range(4):
+                    int8_linear(x, q, scale, lanes=lanes)
+            best[lanes] = min(best[lanes], time.perf_counter() - start)
+    log.info("int8 kernel: 8 lanes %.2f ms, 16 lanes %.2f ms (a layer at 1 and 8 rows, 4 times)",
+             best[8] * 1e3, best[16] * 1e3)
+    return 16 if best[16] < best[8] else 8
 
 
 def int8_fits(in_features: int) -> bool:
