@@ -35,46 +35,47 @@ static void dequantize(const int8_t *q, const float *s, long in, float *w) {
     }
 }
 
-/* tile_OB_RB: OB outputs (dequantized rows of w, `in` apart) against RB rows of x, one 8-lane sum per
- * (output, row) over the input in order, so a row's arithmetic is the same in every tile shape. */
-#define DEFINE_TILE(OB, RB)                                                                          \
-    static void tile_##OB##_##RB(const float *w, const float *x, long in, float *y, long ldy) {       \
-        __m256 acc[OB][RB];                                                                          \
-        _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++)                                         \
-            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) acc[c][r] = _mm256_setzero_ps();    \
-        for (long i = 0; i < in; i += 8) {                                                           \
-            __m256 xv[RB];                                                                           \
-            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) xv[r] = _mm256_loadu_ps(x + r * in + i); \
-            _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++) {                                   \
-                const __m256 wv = _mm256_load_ps(w + c * in + i);                                    \
-                _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)                                 \
-                    acc[c][r] = _mm256_fmadd_ps(wv, xv[r], acc[c][r]);                               \
-            }                                                                                        \
-        }                                                                                            \
-        _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++)                                         \
-            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) y[r * ldy + c] = hsum(acc[c][r]);   \
+/* PREFIX_OB_RB: OB outputs (dequantized rows of w, `in` apart) against RB rows of x, one LANES-lane sum
+ * per (output, row) over the input in order, so a row's arithmetic is the same in every tile shape. */
+#define DEFINE_TILE(PREFIX, VEC, LANES, ZERO, LOADU, LOAD, FMA, HSUM, OB, RB)                           \
+    static void PREFIX##_##OB##_##RB(const float *w, const float *x, long in, float *y, long ldy) {      \
+        VEC acc[OB][RB];                                                                                 \
+        _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++)                                             \
+            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) acc[c][r] = ZERO();                     \
+        for (long i = 0; i < in; i += LANES) {                                                           \
+            VEC xv[RB];                                                                                  \
+            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) xv[r] = LOADU(x + r * in + i);          \
+            _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++) {                                       \
+                const VEC wv = LOAD(w + c * in + i);                                                     \
+                _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) acc[c][r] = FMA(wv, xv[r], acc[c][r]); \
+            }                                                                                            \
+        }                                                                                                \
+        _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++)                                             \
+            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) y[r * ldy + c] = HSUM(acc[c][r]);      \
     }
-DEFINE_TILE(8, 1) DEFINE_TILE(4, 2) DEFINE_TILE(2, 3) DEFINE_TILE(2, 4)
-DEFINE_TILE(1, 1) DEFINE_TILE(1, 2) DEFINE_TILE(1, 3) DEFINE_TILE(1, 4)
 
-#define SHAPE(RB, OB)                                                                            \
-    case RB:                                                                                     \
-        for (; c + OB <= n_out; c += OB) tile_##OB##_##RB(w + c * in, xr, in, yr + c, ldy);      \
-        for (; c < n_out; c++) tile_1_##RB(w + c * in, xr, in, yr + c, ldy);                     \
+#define SHAPE(PREFIX, RB, OB)                                                                          \
+    case RB:                                                                                           \
+        for (; c + OB <= n_out; c += OB) PREFIX##_##OB##_##RB(w + c * in, xr, in, yr + c, ldy);        \
+        for (; c < n_out; c++) PREFIX##_1_##RB(w + c * in, xr, in, yr + c, ldy);                       \
         break;
 
-/* n_out dequantized outputs (w: [n_out, in]) against every row of x; y[r * ldy + c]. */
-static void dot_rows(const float *w, long n_out, const float *x, long rows, long in, float *y, long ldy) {
-    for (long r0 = 0; r0 < rows; r0 += 4) {
-        const int n = rows - r0 < 4 ? (int)(rows - r0) : 4;
-        const float *xr = x + r0 * in;
-        float *yr = y + r0 * ldy;
-        long c = 0;
-        switch (n) {
-            SHAPE(1, 8) SHAPE(2, 4) SHAPE(3, 2) SHAPE(4, 2)
-        }
+/* NAME: n_out dequantized outputs (w: [n_out, in]) against every row of x, 4 rows at a time, in tiles
+ * of OB1..OB4 outputs for 1..4 rows; y[r * ldy + c]. */
+#define DEFINE_DOT_ROWS(NAME, PREFIX, OB1, OB2, OB3, OB4)                                               \
+    static void NAME(const float *w, long n_out, const float *x, long rows, long in, float *y, long ldy) { \
+        for (long r0 = 0; r0 < rows; r0 += 4) {                                                        \
+            const int n = rows - r0 < 4 ? (int)(rows - r0) : 4;                                        \
+            const float *xr = x + r0 * in;                                                             \
+            float *yr = y + r0 * ldy;                                                                  \
+            long c = 0;                                                                                \
+            switch (n) { SHAPE(PREFIX, 1, OB1) SHAPE(PREFIX, 2, OB2) SHAPE(PREFIX, 3, OB3) SHAPE(PREFIX, 4, OB4) } \
+        }                                                                                              \
     }
-}
+
+#define TILE8(OB, RB) DEFINE_TILE(tile, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_load_ps, _mm256_fmadd_ps, hsum, OB, RB)
+TILE8(8, 1) TILE8(4, 2) TILE8(2, 3) TILE8(2, 4) TILE8(1, 1) TILE8(1, 2) TILE8(1, 3) TILE8(1, 4)
+DEFINE_DOT_ROWS(dot_rows, tile, 8, 4, 2, 2)
 #else
 #define SIMD 0
 /* Without AVX2 and FMA: plain C, the same structure (8 lanes summed per row, then combined). */
@@ -149,43 +150,9 @@ static void dequantize16(const int8_t *q, const float *s, long in, float *w) {
     }
 }
 
-#define DEFINE_TILE16(OB, RB)                                                                        \
-    static void tile16_##OB##_##RB(const float *w, const float *x, long in, float *y, long ldy) {     \
-        __m512 acc[OB][RB];                                                                          \
-        _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++)                                         \
-            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) acc[c][r] = _mm512_setzero_ps();    \
-        for (long i = 0; i < in; i += 16) {                                                          \
-            __m512 xv[RB];                                                                           \
-            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) xv[r] = _mm512_loadu_ps(x + r * in + i); \
-            _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++) {                                   \
-                const __m512 wv = _mm512_load_ps(w + c * in + i);                                    \
-                _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)                                 \
-                    acc[c][r] = _mm512_fmadd_ps(wv, xv[r], acc[c][r]);                               \
-            }                                                                                        \
-        }                                                                                            \
-        _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++)                                         \
-            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) y[r * ldy + c] = hsum16(acc[c][r]); \
-    }
-DEFINE_TILE16(8, 1) DEFINE_TILE16(8, 2) DEFINE_TILE16(4, 3) DEFINE_TILE16(4, 4)
-DEFINE_TILE16(1, 1) DEFINE_TILE16(1, 2) DEFINE_TILE16(1, 3) DEFINE_TILE16(1, 4)
-
-#define SHAPE16(RB, OB)                                                                          \
-    case RB:                                                                                     \
-        for (; c + OB <= n_out; c += OB) tile16_##OB##_##RB(w + c * in, xr, in, yr + c, ldy);    \
-        for (; c < n_out; c++) tile16_1_##RB(w + c * in, xr, in, yr + c, ldy);                   \
-        break;
-
-static void dot_rows16(const float *w, long n_out, const float *x, long rows, long in, float *y, long ldy) {
-    for (long r0 = 0; r0 < rows; r0 += 4) {
-        const int n = rows - r0 < 4 ? (int)(rows - r0) : 4;
-        const float *xr = x + r0 * in;
-        float *yr = y + r0 * ldy;
-        long c = 0;
-        switch (n) {
-            SHAPE16(1, 8) SHAPE16(2, 8) SHAPE16(3, 4) SHAPE16(4, 4)
-        }
-    }
-}
+#define TILE16(OB, RB) DEFINE_TILE(tile16, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_load_ps, _mm512_fmadd_ps, hsum16, OB, RB)
+TILE16(8, 1) TILE16(8, 2) TILE16(4, 3) TILE16(4, 4) TILE16(1, 1) TILE16(1, 2) TILE16(1, 3) TILE16(1, 4)
+DEFINE_DOT_ROWS(dot_rows16, tile16, 8, 8, 4, 4)
 
 int cadence_int8_has16(void) { return 1; }
 
