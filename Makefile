@@ -38,7 +38,7 @@ vllm:
 # compiling on one core, so together they take little longer than the slower one alone.
 test: system-deps
 	@$(MAKE) --no-print-directory -j2 --output-sync=line $(STAMP) vllm
-	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0 --durations=25
+	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 --durations=25
 
 bench: setup
 	$(PY) bench/single_stream.py

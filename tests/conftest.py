@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 import subprocess
@@ -63,7 +64,8 @@ SPEECH = {
 # The files that take longest, longest first (measured with `make test`'s --durations on 2 cores).
 # `make test` hands each file whole to the next free worker in this order, so the long ones start
 # first and the short ones fill in around them, rather than one long file starting last while the
-# other worker sits idle.
+# other worker sits idle. (pytest-xdist would otherwise reorder the files by their number of tests,
+# most first, and start this hour of speech late: the Makefile passes --no-loadscope-reorder.)
 LONGEST_FIRST = ("test_longform.py", "test_cli.py", "test_drafting.py", "test_whisper_parity.py",
                  "test_conversations.py", "test_precision.py", "test_cli_transcribe.py", "test_families.py")
 
@@ -73,8 +75,50 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
+# A worker that dies in C code (a segfault in a decoder, say) is reported by pytest-xdist only as
+# "worker crashed while running X"; its Python traceback goes to its own stderr, which CI shows only
+# the end of. So each worker's fatal-error traceback is written to a file of the run, and the main
+# process prints the crashing thread's frames last, where the end of the output shows them.
+_CRASH_DIR = "CADENCE_TEST_CRASH_DIR"  # set by the first process of a run, inherited by its workers
+if not os.environ.get(_CRASH_DIR):
+    os.environ[_CRASH_DIR] = str(_SESSION_ROOT / "crashes")
+_CRASH_REPORTS: list[str] = []
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own faulthandler set-up, which writes to stderr
+def pytest_configure(config):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        folder = Path(os.environ[_CRASH_DIR])
+        folder.mkdir(parents=True, exist_ok=True)
+        config._cadence_crash_log = open(folder / f"{worker}.txt", "w")  # kept open for the whole run
+        faulthandler.enable(config._cadence_crash_log, all_threads=True)
+
+
+def _crash_summary(text: str) -> str:
+    """The fatal error's first line and the crashing thread's frames, from a faulthandler dump."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
+    if start is None:
+        return "\n".join(lines[:40])
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith("  ")), len(lines))
+    return "\n".join([lines[0], *lines[start:min(end, start + 13)]])  # its 12 innermost frames
+
+
 def pytest_sessionfinish(session, exitstatus):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        for log_file in sorted(Path(os.environ[_CRASH_DIR]).glob("*.txt")):
+            text = log_file.read_text(errors="replace").strip()
+            if text:
+                _CRASH_REPORTS.append(f"{log_file.stem}: {_crash_summary(text)}")
     shutil.rmtree(_SESSION_ROOT, ignore_errors=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter):
+    for report in _CRASH_REPORTS:
+        terminalreporter.write_sep("=", "a test worker crashed in native code")
+        terminalreporter.write_line(report)
 
 
 @pytest.fixture(scope="session")
