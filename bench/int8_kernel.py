@@ -5,8 +5,9 @@
 The model's own weights (30 layers' q/k/v, out, gate/up and down, and the 49152-row lm_head: 538 MB
 in float32, so a step reads from memory, not cache), through engine.kernels.Linear in each way this
 machine can run them: float32 (oneDNN's packed layout), bfloat16 (where the CPU has it), int8 with
-the native kernel built here (engine/native: groups of 32 inputs per scale; "8 lanes" / "16 lanes"
-force either of its two kernels, the second AVX-512 only), and int8 with PyTorch's per-channel
+the native kernel built here (engine/native: groups of 32 inputs per scale; "int8 native f32x8",
+"... f32x16" (AVX-512 only) or "... i8dot" force one of its kernels, engine.native.INT8_KERNELS; plain
+"int8 native" runs the one this machine chose), and int8 with PyTorch's per-channel
 kernel (the fallback where no compiler is found). Prints the CPU model with the figures; run on a quiet machine.
 Kernels alternate within each repeat, so a machine drifting in speed moves them alike.
 """
@@ -70,8 +71,8 @@ def main() -> None:
             inputs = {size: torch.randn(n, size) for size in {w.shape[1] for w in weights}}
             for _ in range(args.repeats + 1):  # the first round warms caches and is dropped
                 for kind in kinds:
-                    if kind.endswith(" lanes"):  # "int8 native, 16 lanes": that kernel, whatever this machine chose
-                        native._LANES[:] = [int(kind.split()[-2])]
+                    if kind.split()[-1] in native.INT8_KERNELS:  # that kernel, whatever this machine chose
+                        native._KERNEL[:] = [(kind.split()[-1],) * 2]
                     t0 = time.perf_counter()
                     for layer in built[kind]:
                         layer(inputs[layer.in_features])

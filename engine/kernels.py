@@ -11,9 +11,10 @@ prefilling or verifying drafts), so a step's time is mostly reading the weights.
   processor has bfloat16 instructions (or a GPU supports it).
 - ``int8``: weight-only, symmetric (``w = q * scale``), a quarter of float32's bytes. On CPU, where the
   machine has a C compiler, in groups of 32 inputs per scale (llama.cpp's Q8_0 grouping) computed by
-  :mod:`engine.native`'s kernel with float32 activations (on every CPU, bfloat16 ones included; 8 or
-  16 lanes, timed once per machine): built here for this processor, it reads the int8 weights once per
-  call for every row. Elsewhere (no compiler, a GPU), one scale per output
+  :mod:`engine.native`'s kernel with float32 activations (on every CPU, bfloat16 ones included; summed
+  in 8 or 16 lanes, or with the activations rounded to int8 too where that measured clearly faster:
+  engine.native.INT8_KERNELS, timed once per machine): built here for this processor, it reads the
+  int8 weights once per call for every row. Elsewhere (no compiler, a GPU), one scale per output
   channel and ``torch.ops.aten._weight_int8pack_mm``, activations in bfloat16 where the CPU has
   bfloat16 instructions (else float32); its input is rounded to bfloat16 where that runs faster on
   this machine (measured once, :func:`int8_input_dtype`: on an AVX2-only AMD EPYC its float32 path is

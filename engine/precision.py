@@ -89,11 +89,12 @@ def _greedy(decoder, prompts: list[list[int]], new: int) -> list[list[int]]:
     """Greedy continuations of every prompt at once (each in its own slot), ``new`` tokens each."""
     slots = list(range(len(prompts)))
     decoder.allocate(len(prompts), max(len(p) for p in prompts) + new + 1)
-    batch = StepBatch.build(slots, prompts, [0] * len(prompts), device=decoder.device)
+    lengths = [len(p) for p in prompts]  # rows past them are generated tokens, as the engine's steps say
+    batch = StepBatch.build(slots, prompts, [0] * len(prompts), device=decoder.device, prompt_lengths=lengths)
     outs = [[t] for t in decoder.forward(batch, batch.last_rows()).argmax(-1).tolist()]
     for _ in range(new - 1):
         batch = StepBatch.build(slots, [[o[-1]] for o in outs], [len(p) + len(o) - 1 for p, o in zip(prompts, outs)],
-                                device=decoder.device)
+                                device=decoder.device, prompt_lengths=lengths)
         for o, t in zip(outs, decoder.forward(batch, batch.last_rows()).argmax(-1).tolist()):
             o.append(t)
     return outs
@@ -104,7 +105,8 @@ def chat_agreement(candidate, prompts: list[list[int]], answers: list[list[int]]
     (teacher-forced), equals float32's."""
     rows = [p + a[:-1] for p, a in zip(prompts, answers)]
     candidate.allocate(len(rows), max(len(r) for r in rows) + 1)
-    batch = StepBatch.build(list(range(len(rows))), rows, [0] * len(rows), device=candidate.device)
+    batch = StepBatch.build(list(range(len(rows))), rows, [0] * len(rows), device=candidate.device,
+                            prompt_lengths=[len(p) for p in prompts])  # the answer's rows read as generated
     wanted, offset = [], 0
     for p, r in zip(prompts, rows):
         wanted += range(offset + len(p) - 1, offset + len(r))
@@ -191,6 +193,8 @@ def choose_precision(loaded, reference, build, model_key: str, use_cache: bool =
     from engine.calibration import device_identity
 
     identity = device_identity(loaded.model.device if hasattr(loaded.model, "device") else torch.device("cpu"))
+    if os.environ.get("CADENCE_INT8_KERNEL"):  # int8 on kernels asked for by name: a choice of its own
+        identity += "-int8-" + os.environ["CADENCE_INT8_KERNEL"].replace(",", "-")
     path = _cache_file(model_key, identity)
     with held(path):  # one process measures at a time; the next reads its choice
         return _choose(loaded, reference, build, identity, path, use_cache)

@@ -363,7 +363,8 @@ class Lane:
              levels: int) -> StepRecord:
         rows = [s.next_rows() + drafts.get(s.slot, []) for s in active]
         prefill_rows = sum(len(r) for s, r in zip(active, rows) if s.prefilling)
-        batch = StepBatch.build([s.slot for s in active], rows, [s.fed for s in active], device=self.decoder.device)
+        batch = StepBatch.build([s.slot for s in active], rows, [s.fed for s in active], device=self.decoder.device,
+                                prompt_lengths=[len(s.prompt) for s in active])
         # Logits for each sequence's last row, every row of a draft being checked, and a probe row where asked.
         wanted, owners, offset, aligning = [], [], 0, []
         for seq, r in zip(active, rows):

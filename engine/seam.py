@@ -53,10 +53,16 @@ class StepBatch:
     # groups; None on the ordinary path, which then does nothing extra. The family fills ``attention``.
     attention_groups: list[tuple[int, torch.Tensor]] | None = None
     attention: list[torch.Tensor] | None = None
+    # [R] uint8, 1 for rows of generated tokens (at or past their sequence's prompt length), 0 for prompt
+    # rows; None where the builder did not say (all read as prompt rows). A family may run the two kinds
+    # with different kernels (engine.native.int8_kernels): a row's kind is its own, never its batch's.
+    generated: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, slots: list[int], rows: list[list[int]], starts: list[int], device="cpu") -> "StepBatch":
-        """``rows[s]`` are the new tokens of sequence s, the first at position ``starts[s]``."""
+    def build(cls, slots: list[int], rows: list[list[int]], starts: list[int], device="cpu",
+              prompt_lengths: list[int] | None = None) -> "StepBatch":
+        """``rows[s]`` are the new tokens of sequence s, the first at position ``starts[s]``; its rows at
+        positions from ``prompt_lengths[s]`` on are generated tokens (see :attr:`generated`)."""
         counts = [len(r) for r in rows]
         width = max(counts)
         uniform = min(counts) == width
@@ -74,6 +80,8 @@ class StepBatch:
             first_slot=slots[0] if contiguous else None,
             row_slots=flat(slot_t[:, None].expand(-1, width)), row_positions=flat(positions),
             kv_len=kv_len, blocked=blocked[:, None],
+            generated=None if prompt_lengths is None else flat(
+                positions >= torch.tensor(prompt_lengths, dtype=torch.long, device=device)[:, None]).to(torch.uint8),
         )
 
     def window_blocked(self, window: int) -> torch.Tensor:

@@ -29,13 +29,27 @@ def test_the_kernel_builds_here_with_vector_instructions():
     assert library is not None, "a C compiler is installed by make setup: the kernel must build"
     assert native.int8_group() == 32
     assert library.cadence_int8_simd() == 1  # every CPU Cadence targets has AVX2 and FMA
-    lanes = native.int8_lanes()  # timed once, recorded beside the library
-    assert lanes == 8 or (lanes == 16 and library.cadence_int8_has16())
+    assert library.cadence_int8_has_int8_dot() == 1  # AVX2 is enough for the integer kernel
+    here = native.int8_kernels_here()
+    assert here[0] == "f32x8" and "i8dot" in here and ("f32x16" in here) == bool(library.cadence_int8_has16())
+    kernels = native.int8_kernels()  # the faster float kernel, timed once, recorded beside the library
+    assert kernels[0] == kernels[1] == native.int8_kernel() and kernels[0] in ("f32x8", "f32x16")
     if library.cadence_int8_has16():
-        assert library.path.with_suffix(".lanes").read_text() == str(lanes)
+        assert library.path.with_suffix(".int8-kernel").read_text() == kernels[0]
 
 
-@pytest.mark.parametrize("lanes", [8, 16])  # 16 is the 8-lane kernel where the CPU has no AVX-512
+def test_the_integer_kernel_runs_only_where_asked(tmp_path):
+    code = "from engine import native; print(' '.join(native.int8_kernels()))"
+    for asked, expected in (("i8dot", "i8dot i8dot"), ("f32x8,i8dot", "f32x8 i8dot")):
+        env = dict(os.environ, CADENCE_INT8_KERNEL=asked)
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert done.stdout.split("\n")[-2] == expected, done.stderr
+    env = dict(os.environ, CADENCE_INT8_KERNEL="f64x4")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "CADENCE_INT8_KERNEL must name one or two" in done.stderr
+
+
+@pytest.mark.parametrize("lanes", ["f32x8", "f32x16"])  # f32x16 is the 8-lane kernel where the CPU has no AVX-512
 @pytest.mark.parametrize("out,size,with_bias", SHAPES)
 def test_sums_match_the_dequantized_weights(out, size, with_bias, lanes):
     generator = torch.Generator().manual_seed(out)
@@ -64,11 +78,65 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_the_call(out, size, with_b
         together = torch.cat([layer(chunk) for chunk in x.split(rows)])
         assert torch.equal(together, alone), rows
     assert torch.equal(layer(x[5:12]), alone[5:12])  # calls that start at another row
-    for lanes in (8, 16):  # both kernels, whichever this machine runs
-        solo = torch.cat([native.int8_linear(x[i : i + 1], layer.q, layer.scale, layer.bias, lanes) for i in range(37)])
-        for rows in (2, 3, 4, 5, 8, 9, 37):
-            together = torch.cat([native.int8_linear(c, layer.q, layer.scale, layer.bias, lanes) for c in x.split(rows)])
-            assert torch.equal(together, solo), (lanes, rows)
+    for kernel in native.INT8_KERNELS:  # every kernel, whichever this machine runs
+        solo = torch.cat([native.int8_linear(x[i : i + 1], layer.q, layer.scale, layer.bias, kernel) for i in range(37)])
+        for rows in (2, 3, 4, 5, 8, 9, 16, 17, 37):
+            together = torch.cat([native.int8_linear(c, layer.q, layer.scale, layer.bias, kernel) for c in x.split(rows)])
+            assert torch.equal(together, solo), (kernel, rows)
+
+
+@pytest.mark.parametrize("out,size,with_bias", SHAPES)
+def test_the_integer_kernel_sums_rounded_activations_exactly(out, size, with_bias):
+    """i8dot rounds each row to int8 per 32 inputs (scale: the group's largest magnitude / 127, to nearest
+    even) and multiplies integers: its result is that rounding's exact product, up to float32 sums."""
+    generator = torch.Generator().manual_seed(out + 7)
+    q, scale = quantize_int8(torch.randn(out, size, generator=generator) * 0.05, 32)
+    bias = torch.randn(out, generator=generator) if with_bias else None
+    for rows in (1, 2, 3, 4, 5, 8, 13, 17, 40):
+        x = torch.randn(rows, size, generator=generator) * torch.rand(rows, 1, generator=generator) * 4
+        x[0, :32] = 0  # an all-zero group rounds to zeros
+        groups = x.view(rows, -1, 32)
+        largest = groups.abs().amax(dim=2, keepdim=True)
+        rounded = torch.round(groups * torch.where(largest > 0, 127.0 / largest, torch.zeros_like(largest)))
+        sums = torch.einsum("rgk,ogk->rog", rounded.double(), q.view(out, -1, 32).double())  # exact integers
+        expected = (sums * (largest / 127.0).double().view(rows, 1, -1) * scale.double()[None]).sum(dim=2)
+        expected = expected + (bias.double() if with_bias else 0)
+        y = native.int8_linear(x, q, scale, bias, "i8dot")
+        assert y.dtype == torch.float32 and y.shape == (rows, out)
+        assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5), (rows, (y.double() - expected).abs().max())
+        # ...and close to the float product: rounding to 8 bits costs about half a percent
+        exact = x.double() @ dequantized(q, scale).T + (bias.double() if with_bias else 0)
+        assert (y.double() - exact).norm() <= 0.02 * exact.norm()
+
+
+def test_the_decoder_layers_in_one_c_call_give_the_python_loops_bits(smollm):
+    """SmolLM2 in int8: the layer loop in C (engine/native/decoder_layers.c) against the same loop op by
+    op in Python, over steps of one and several slots, prompts and single tokens, every kernel."""
+    from engine.families.llama import LlamaBatched
+    from engine.seam import StepBatch
+
+    decoder = LlamaBatched(smollm, width=3, precision="int8")
+    assert decoder.layers_in_c
+
+    def run(in_c: bool) -> list[torch.Tensor]:
+        decoder.layers_in_c = in_c
+        decoder.allocate(3)
+        logits = [decoder.forward(StepBatch.build([0, 1, 2], [[1, 9690, 198, 1204, 314], [5, 6], [7, 8, 9]], [0, 0, 0]))]
+        for step in range(6):
+            logits.append(decoder.forward(StepBatch.build([0, 1, 2], [[100 + step], [200 + step, 3], [300]],
+                                                          [5 + step, 2 + 2 * step, 3 + step])))
+        logits.append(decoder.forward(StepBatch.build([1], [[42]], [14])))
+        return logits
+
+    for kernel in native.int8_kernels_here():
+        decoder._c_layers.kernels = [list(native.INT8_KERNELS).index(kernel)] * 2
+        monkey = native._KERNEL[:]  # the Python loop's products run this kernel too
+        native._KERNEL[:] = [(kernel, kernel)]
+        try:
+            in_python, in_c = run(False), run(True)
+        finally:
+            native._KERNEL[:] = monkey
+        assert all(torch.equal(a, b) for a, b in zip(in_python, in_c)), kernel
 
 
 def test_per_channel_weights_are_regrouped_for_the_native_kernel():
@@ -245,3 +313,33 @@ def test_attention_over_a_float16_memory_reads_it_exactly():
     q = torch.randn(3, 6, 64, generator=generator)
     half = native.attend_memory(q, keys, values, batch.row_slots, 1500, 0.125)
     assert torch.equal(half, native.attend_memory(q, keys.float(), values.float(), batch.row_slots, 1500, 0.125))
+
+
+def test_prompt_rows_and_generated_rows_keep_their_own_kernels_whatever_shares_the_step(smollm):
+    """The C layer loop runs generated tokens' rows on one kernel and prompt rows on another: a row's
+    result depends on its own kind only, so a step that mixes a prompt and an answer gives each the bits
+    it gets alone (batched = serial), and the generated row's bits are the generated kernel's."""
+    from engine.families.llama import LlamaBatched
+    from engine.seam import StepBatch
+
+    decoder = LlamaBatched(smollm, width=2, precision="int8")
+    prompt_kernel = "f32x16" if "f32x16" in native.int8_kernels_here() else "f32x8"
+    decoder._c_layers.kernels = [list(native.INT8_KERNELS).index(k) for k in (prompt_kernel, "i8dot")]
+    first = [[1, 9690, 198, 1204, 314], [5, 6, 7]]
+
+    def run(together: bool, answer_is_generated: bool = True) -> list[torch.Tensor]:
+        decoder.allocate(2)
+        decoder.forward(StepBatch.build([0, 1], first, [0, 0], prompt_lengths=[5, 6]))
+        # slot 0 answers (its first generated token, at 5), slot 1 reads the rest of its prompt (3..5)
+        steps = [([0], [[42]], [5], [5 if answer_is_generated else 6]), ([1], [[8, 9, 10]], [3], [6])]
+        if together:
+            steps = [tuple(a + b for a, b in zip(*steps))]
+        logits = []
+        for slots, rows, starts, lengths in steps:
+            batch = StepBatch.build(slots, rows, starts, prompt_lengths=lengths)
+            logits.append(decoder.forward(batch))  # every row's logits
+        return list(torch.cat(logits))
+
+    alone, together = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))
+    assert not torch.equal(run(False, answer_is_generated=False)[0], alone[0])  # the kinds did run differently

@@ -123,6 +123,12 @@ class DecoderOnly(BatchedDecoder):
         # other precisions keep PyTorch's ops.
         self._fused_ops = self.dtype == torch.float32 and all(
             m.native for layer in self.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down))
+        # Where every layer is of the plain Llama layout, the fused path's whole layer loop runs in one C
+        # call (the same kernels, the same bits: tests/test_native.py); False runs it here, op by op.
+        self.layers_in_c = self._fused_ops and self.softcap is None and self.activation is F.silu and all(
+            layer.rope == SINGLE and layer.qk_norm is None and layer.attn_out_norm is None
+            and layer.ffn_out_norm is None for layer in self.layers)
+        self._c_layers = native.DecoderLayers(self) if self.layers_in_c else None
         self.allocate(width)
 
     # ------------------------------------------------------------------ hooks (a family changes these)
@@ -264,7 +270,13 @@ class DecoderOnly(BatchedDecoder):
         if logit_rows is not None:
             x = x[logit_rows]
         hidden = self._norm(x, self.norm)
-        logits = self.lm_head(hidden).float()
+        logits = None
+        if self._c_layers is not None and self.layers_in_c:  # each row by its kind's kernel, as the layers ran
+            kinds = batch.generated
+            logits = self._c_layers.output(hidden, kinds[logit_rows] if kinds is not None and logit_rows is not None
+                                           else kinds)
+        if logits is None:
+            logits = self.lm_head(hidden).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return (logits, hidden) if with_hidden else logits
@@ -286,6 +298,8 @@ class DecoderOnly(BatchedDecoder):
         for window in self._windows:
             masks[window] = batch.window_blocked(window)
         x, normed = self._add_norm(x, None, self.layers[0].input_norm)
+        if self.layers_in_c and turns["rows"] is not None and self.tables[SINGLE][0].shape[-1] == self.head_dim:
+            return self._c_layers(self, x, normed, batch, turns["rows"])
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.qkv(normed), turns)
             if self._fused_ops and self.softcap is None:

@@ -1,11 +1,14 @@
 """Small C kernels built on the user's machine, for what PyTorch's CPU kernels do slowly.
 
-``int8_linear.c``: the group-wise int8 weight-only matrix product int8 precision uses on CPU (see
-:mod:`engine.kernels`), in 8 lanes (AVX2) and, where the processor has AVX-512, also in 16: the two
-sum in different orders, so which one runs is timed once per machine and recorded beside the library
-(:func:`int8_lanes`), and every run there gives the same bits; ``layer_ops.c``: the residual add with the RMS norm after it, the rotary
+``int8_linear.c``: the group-wise int8 matrix product int8 precision uses on CPU (see
+:mod:`engine.kernels`), in three kernels (:data:`INT8_KERNELS`): float32 activations summed in 8 lanes
+(AVX2) or, where the processor has AVX-512, 16; or activations rounded to int8 per 32 inputs and
+multiplied as integers (llama.cpp's Q8_0 product; only where asked, :func:`int8_kernels`). They sum
+in different orders, so which float one runs is timed once per machine and recorded beside the library,
+and every run there gives the same bits; ``layer_ops.c``: the residual add with the RMS norm after it, the rotary
 embedding, SiLU(gate) * up and the attention over the KV cache, fused for the same precision's float32
-activations (see :mod:`engine.families.decoder`).
+activations (see :mod:`engine.families.decoder`); ``decoder_layers.c``: a whole step's layers of the
+Llama layout in one call of those same kernels (:class:`DecoderLayers`).
 Both go into one library, compiled once per machine with the system C compiler and
 ``-march=native`` (so it uses the vector instructions this processor has, whatever they are) into the
 user cache, keyed by the source, the compiler and the processor's flags, and loaded with ctypes (which
@@ -32,7 +35,14 @@ log = logging.getLogger(__name__)
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _LOADED: list = []  # [library or None], once per process
-_LANES: list[int] = []  # [8 or 16]: the int8 kernel this machine runs, once read or timed
+_KERNEL: list[tuple[str, str]] = []  # [(prompt rows', generated rows' kernel)] this machine runs, once read or timed
+
+# The int8 kernels, by the name recorded for a machine. Each sums a row alone, in an order of its own.
+INT8_KERNELS = {
+    "f32x8": "float32 activations, 8-lane sums",
+    "f32x16": "float32 activations, 16-lane sums (AVX-512)",
+    "i8dot": "activations rounded to int8 per 32 inputs, integer dot products (as llama.cpp's Q8_0)",
+}
 
 
 def _cpu_flags() -> str:
@@ -88,11 +98,12 @@ def int8_library():
             path = _build(compiler)
             library = ctypes.CDLL(str(path))
             library.path = path
-            for fn in (library.cadence_int8_linear, library.cadence_int8_linear16):
+            for fn in (library.cadence_int8_linear, library.cadence_int8_linear16, library.cadence_int8_linear_int8_dot):
                 fn.restype = None
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
-            for name in ("cadence_int8_group", "cadence_int8_max_in", "cadence_int8_simd", "cadence_int8_has16"):
+            for name in ("cadence_int8_group", "cadence_int8_max_in", "cadence_int8_simd", "cadence_int8_has16",
+                         "cadence_int8_has_int8_dot"):
                 getattr(library, name).restype = ctypes.c_int
             library.cadence_add_rms_norm.restype = library.cadence_rotary.restype = None
             library.cadence_add_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
@@ -107,6 +118,17 @@ def int8_library():
             library.cadence_attend.argtypes = ([ctypes.c_void_p, ctypes.c_long] * 3 + [ctypes.c_long] * 4
                                                + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
                                                + [ctypes.c_float, ctypes.c_void_p])
+            library.cadence_decoder_layers.restype = None
+            library.cadence_decoder_layers.argtypes = ([ctypes.c_void_p] + [ctypes.c_long] * 8 + [ctypes.c_float] * 2
+                                                       + [ctypes.c_void_p] + [ctypes.c_int] * 2
+                                                       + [ctypes.c_void_p] * 5 + [ctypes.c_long] * 2
+                                                       + [ctypes.c_void_p] * 3)
+            library.cadence_int8_linear_by_kind.restype = None
+            library.cadence_int8_linear_by_kind.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
+                                                            + [ctypes.c_void_p] * 3 + [ctypes.c_long]
+                                                            + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2)
+            library.cadence_decoder_layers_work.restype = library.cadence_decoder_layers_per_layer.restype = ctypes.c_long
+            library.cadence_decoder_layers_work.argtypes = [ctypes.c_long] * 6
             library.cadence_rotary.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                                                ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
@@ -122,65 +144,92 @@ def int8_group() -> int:
     return library.cadence_int8_group() if library is not None else 0
 
 
-def int8_linear(x, q, scale, bias=None, lanes: int | None = None):
+def int8_linear(x, q, scale, bias=None, kernel: str | None = None):
     """``x @ (q * scale per group).T + bias`` for float32 CPU tensors x [rows, in], q [out, in] int8,
-    scale [out, in / group] float32, bias [out] or None: a new float32 [rows, out]. ``lanes``: 8 or 16
-    to pick a kernel (tests, timing); None: this machine's (:func:`int8_lanes`)."""
+    scale [out, in / group] float32, bias [out] or None: a new float32 [rows, out]. ``kernel``: one of
+    INT8_KERNELS (tests, timing); None: this machine's (:func:`int8_kernel`)."""
     import torch
 
     library = int8_library()
     rows, out = x.shape[0], q.shape[0]
     y = torch.empty(rows, out, dtype=torch.float32)
     if rows:
-        run = library.cadence_int8_linear16 if (lanes or int8_lanes()) == 16 else library.cadence_int8_linear
+        run = {"f32x16": library.cadence_int8_linear16,
+               "i8dot": library.cadence_int8_linear_int8_dot}.get(kernel or int8_kernel(), library.cadence_int8_linear)
         run(x.data_ptr(), rows, x.shape[1], q.data_ptr(), scale.data_ptr(),
             bias.data_ptr() if bias is not None else None, out, y.data_ptr())
     return y
 
 
-def int8_lanes() -> int:
-    """The int8 kernel's width on this machine: 16 where the processor has AVX-512 and the 16-lane
-    kernel measured faster than the 8-lane one (one decoder-sized layer at 1 and 8 rows, interleaved,
-    best of 7), else 8. Recorded beside the library, so every run on this machine sums alike."""
-    if _LANES:
-        return _LANES[0]
+def int8_kernels_here() -> list[str]:
+    """The int8 kernels this processor runs as themselves (16 lanes need AVX-512, the integer one AVX2)."""
     library = int8_library()
-    lanes = 8
-    if library is not None and library.cadence_int8_has16():
+    if library is None:
+        return []
+    return ["f32x8"] + ["f32x16"] * library.cadence_int8_has16() + ["i8dot"] * library.cadence_int8_has_int8_dot()
+
+
+def int8_kernels() -> tuple[str, str]:
+    """The int8 kernels this machine runs (names in INT8_KERNELS): one for prompt rows (and rows of
+    unknown kind), one for rows of generated tokens. Unless asked otherwise, both are the faster float
+    kernel over a decoder's layers at 1 and 8 rows (interleaved, best of 7), recorded beside the library
+    so every run here sums alike. The integer kernel runs only where ``CADENCE_INT8_KERNEL`` asks for it:
+    it decodes faster but rounds the activations, which on SmolLM2 put greedy top-1 agreement with
+    float32 just under the 97% that ``auto`` requires (docs/BENCHMARKS.md). ``CADENCE_INT8_KERNEL``:
+    one name for both kinds, or ``PROMPT,GENERATED`` (e.g. ``f32x16,i8dot``); not recorded."""
+    if _KERNEL:
+        return _KERNEL[0]
+    here = int8_kernels_here()
+    kernels = ("f32x8", "f32x8")
+    asked = [name.strip() for name in os.environ.get("CADENCE_INT8_KERNEL", "").split(",") if name.strip()]
+    if asked:
+        if len(asked) > 2 or not set(asked) <= set(here):
+            raise RuntimeError(f"CADENCE_INT8_KERNEL must name one or two of this processor's int8 kernels "
+                               f"({', '.join(here)}), as KERNEL or PROMPT,GENERATED.")
+        kernels = (asked[0], asked[-1])
+    elif "f32x16" in here:
         from engine.filelock import held
 
-        record = library.path.with_suffix(".lanes")
+        record = int8_library().path.with_suffix(".int8-kernel")
         with held(record):
             try:
-                lanes = int(record.read_text())
-            except (OSError, ValueError):
-                lanes = _time_lanes()
-                record.write_text(str(lanes))
-        lanes = lanes if lanes in (8, 16) else 8
-    _LANES.append(lanes)
-    return lanes
+                kernel = record.read_text().strip()
+            except OSError:
+                kernel = ""
+            if kernel not in ("f32x8", "f32x16"):
+                kernel = _time_kernels(["f32x8", "f32x16"])
+                record.write_text(kernel)
+        kernels = (kernel, kernel)
+    _KERNEL.append(kernels)
+    return kernels
 
 
-def _time_lanes() -> int:
+def int8_kernel() -> str:
+    """The int8 kernel for rows whose kind the caller does not give (every product outside
+    :class:`DecoderLayers`): the prompt rows' kernel of :func:`int8_kernels`."""
+    return int8_kernels()[0]
+
+
+def _time_kernels(kernels: list[str]) -> str:
     import time
 
     import torch
 
     generator = torch.Generator().manual_seed(0)
-    q = torch.randint(-127, 128, (1536, 576), generator=generator, dtype=torch.int8)
-    scale = torch.rand(1536, 576 // int8_group(), generator=generator) * 0.01
+    layers = [(torch.randint(-127, 128, (1536, 576), generator=generator, dtype=torch.int8),
+               torch.rand(1536, 576 // int8_group(), generator=generator) * 0.01) for _ in range(6)]  # beyond L2
     rows = [torch.randn(n, 576, generator=generator) for n in (1, 8)]
-    best = {8: float("inf"), 16: float("inf")}
+    best = dict.fromkeys(kernels, float("inf"))
     for _ in range(7):
-        for lanes in best:
+        for kernel in best:
             start = time.perf_counter()
             for x in rows:
-                for _ in range(4):
-                    int8_linear(x, q, scale, lanes=lanes)
-            best[lanes] = min(best[lanes], time.perf_counter() - start)
-    log.info("int8 kernel: 8 lanes %.2f ms, 16 lanes %.2f ms (a layer at 1 and 8 rows, 4 times)",
-             best[8] * 1e3, best[16] * 1e3)
-    return 16 if best[16] < best[8] else 8
+                for q, scale in layers:
+                    int8_linear(x, q, scale, kernel=kernel)
+            best[kernel] = min(best[kernel], time.perf_counter() - start)
+    log.info("int8 kernels (6 layers at 1 and 8 rows): %s",
+             ", ".join(f"{kernel} {seconds * 1e3:.2f} ms" for kernel, seconds in best.items()))
+    return min(best, key=best.get)
 
 
 def int8_fits(in_features: int) -> bool:
@@ -260,3 +309,78 @@ def attend_memory(q, memory_k, memory_v, row_slots, length: int, scale: float):
     run(q.data_ptr(), q.stride(0), rows, heads, dim, row_slots.data_ptr(), memory_k.data_ptr(), memory_v.data_ptr(),
         memory_k.stride(0), memory_k.stride(1), length, scale, out.data_ptr())
     return out
+
+
+class DecoderLayers:
+    """A decoder's layers (engine.families.decoder, Llama layout, int8 on the native kernel) run in one C
+    call a step (decoder_layers.c): the same kernels, in the same order, as the Python loop, without its
+    per-call costs. The weights' addresses are gathered once, the caches' every step."""
+
+    def __init__(self, decoder):
+        import torch
+
+        library = int8_library()
+        self.library = library  # (the decoder is not kept: it holds this object, and is passed to each call)
+        self.per_layer = library.cadence_decoder_layers_per_layer()
+        layers = decoder.layers
+        self.pointers = (ctypes.c_void_p * (self.per_layer * len(layers)))()
+        for i, layer in enumerate(layers):
+            entries = []
+            for linear in (layer.qkv, layer.out, layer.gate_up, layer.down):
+                entries += [linear.q.data_ptr(), linear.scale.data_ptr(),
+                            linear.bias.data_ptr() if linear.bias is not None else None]
+            following = layers[i + 1].input_norm.data_ptr() if i + 1 < len(layers) else None
+            entries += [layer.ffn_norm.data_ptr(), following, None, None]
+            self.pointers[i * self.per_layer : (i + 1) * self.per_layer] = entries
+        self.windows = torch.tensor([layer.window or 0 for layer in layers], dtype=torch.long)
+        self.kernels = [list(INT8_KERNELS).index(kernel) for kernel in int8_kernels()]  # prompt rows', generated rows'
+        self.output_layer = decoder.lm_head if decoder.lm_head.native else None
+
+    def _point_at_cache(self, cache) -> None:
+        """The layers' key and value caches' addresses, read again every step (a cache grows by moving)."""
+        n = self.per_layer
+        self.pointers[n - 2 :: n] = [k.data_ptr() for k in cache.k]
+        self.pointers[n - 1 :: n] = [v.data_ptr() for v in cache.v]
+
+    def __call__(self, d, x, normed, batch, table_rows):
+        """Every layer over the step's rows: x [R, d] (the stream entering layer 0, float32, updated in
+        place) and ``normed`` its input norm; returns x after the last layer. Rows of generated tokens
+        (``batch.generated``) run on the generated rows' kernel, the others on the prompt rows'. ``d``:
+        the decoder this was made for."""
+        import torch
+
+        self._point_at_cache(d.cache)
+        rows = x.shape[0]
+        work = torch.empty(self.library.cadence_decoder_layers_work(rows, d.hidden, d.heads, d.kv_heads, d.head_dim,
+                                                                    d._ffn), dtype=torch.float32)
+        cos, sin = d.tables[d._rope_kinds[0]]
+        slots, positions = batch.row_slots.contiguous(), batch.row_positions.contiguous()
+        cache_k = d.cache.k[0]
+        self.library.cadence_decoder_layers(
+            self.pointers, len(d.layers), self.windows.data_ptr(), rows, d.hidden, d.heads, d.kv_heads, d.head_dim,
+            d._ffn, d.eps, d.scale or d.head_dim ** -0.5, _pointer(batch.generated), *self.kernels,
+            cos.data_ptr(), sin.data_ptr(),
+            table_rows.data_ptr(), slots.data_ptr(), positions.data_ptr(), cache_k.stride(0), cache_k.stride(1),
+            x.data_ptr(), normed.data_ptr(), work.data_ptr())
+        return x
+
+    def output(self, hidden, generated):
+        """The output layer (lm_head) over final-normed rows [N, d], each by its kind's kernel (generated
+        [N] uint8, or None: all prompt rows); None where the output layer is not on the native kernel."""
+        import torch
+
+        layer = self.output_layer
+        if layer is None:
+            return None
+        hidden = hidden.contiguous()
+        y = torch.empty(hidden.shape[0], layer.out_features, dtype=torch.float32)
+        if hidden.shape[0]:
+            generated = generated.contiguous() if generated is not None else None
+            self.library.cadence_int8_linear_by_kind(
+                hidden.data_ptr(), hidden.shape[0], layer.in_features, layer.q.data_ptr(), layer.scale.data_ptr(),
+                _pointer(layer.bias), layer.out_features, y.data_ptr(), _pointer(generated), *self.kernels)
+        return y
+
+
+def _pointer(tensor):
+    return tensor.data_ptr() if tensor is not None else None

@@ -4,7 +4,9 @@
  * Q8_0); activations stay float32. Each output channel is dequantized once per call into a per-thread
  * float buffer (16 channels: L1/L2-sized), then dotted with every row. Each (row, output) sum is computed by one
  * thread in one fixed order (one 8-lane sum over the input, then its lanes), whatever other rows share
- * the call, so batched decoding equals serial decoding.
+ * the call, so batched decoding equals serial decoding. Three kernels (engine.native.INT8_KERNELS picks one
+ * per machine): this one, the same in 16 lanes (AVX-512), and one that rounds the activations to int8 too
+ * and multiplies integers (at the end of this file).
  * Built on the user's machine with -march=native by engine/native, called through ctypes. */
 #include <stdint.h>
 
@@ -165,6 +167,128 @@ int cadence_int8_has16(void) { return 0; }
 
 void cadence_int8_linear16(const float *x, long rows, long in, const int8_t *q, const float *scale,
                            const float *bias, long out, float *y) {
+    cadence_int8_linear(x, rows, in, q, scale, bias, out, y);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* The same weights against activations rounded to int8 too: each row is cut into groups of 32 inputs, each
+ * group scaled by its largest magnitude to [-127, 127] and rounded to nearest (even); a (row, output) sum is
+ * then, group by group in order, the exact integer dot product of the two int8 groups times both scales,
+ * added into 8 float lanes, then the lanes in a fixed order: what llama.cpp computes for Q8_0 weights. The
+ * integer products cost a fraction of float conversions (VNNI where the CPU has it, else AVX2 pairs), and
+ * a row's rounding and sums never depend on its batch mates, so batched decoding still equals serial. */
+#define QROWS 16 /* rows a thread rounds at a time (its own copy: no thread waits for another) */
+
+static void quantize_rows(const float *x, long rows, long in, int8_t *q, float *d) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i unpack = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes the packs' lane interleave */
+    for (long g = 0; g < rows * (in / GROUP); g++) {
+        const float *xg = x + g * GROUP;
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            v[k] = _mm256_loadu_ps(xg + 8 * k);
+            m = _mm256_max_ps(m, _mm256_and_ps(v[k], magnitude));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        d[g] = amax / 127.0f;
+        const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i i[4];
+        for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inverse));
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+        _mm256_storeu_si256((__m256i *)(q + g * GROUP), _mm256_permutevar8x32_epi32(bytes, unpack));
+    }
+}
+
+static inline __m256 dot_group(__m256i w, __m256i x) { /* 8 lanes of 4 products each, exact */
+    const __m256i magnitude = _mm256_sign_epi8(w, w), signed_x = _mm256_sign_epi8(x, w);
+#if defined(__AVXVNNI__)
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), magnitude, signed_x));
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, signed_x));
+#else
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* PREFIX_OB_RB: OB outputs' int8 weights (rows of w, `in` apart; scales sw, `groups` apart) against RB
+ * rounded rows (x, sx); prefetches each weight row QPREFETCH bytes ahead (small layers stream from memory). */
+#define QPREFETCH 4096
+#define DEFINE_QTILE(OB, RB)                                                                             \
+    static void qtile_##OB##_##RB(const int8_t *w, const float *sw, const int8_t *x, const float *sx,     \
+                                  long in, float *y, long ldy) {                                          \
+        const long groups = in / GROUP;                                                                   \
+        __m256 acc[OB][RB];                                                                               \
+        _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++)                                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) acc[c][r] = _mm256_setzero_ps();         \
+        for (long g = 0; g < groups; g++) {                                                               \
+            __m256i xv[RB];                                                                               \
+            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)                                          \
+                xv[r] = _mm256_loadu_si256((const __m256i *)(x + r * in + g * GROUP));                    \
+            _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++) {                                        \
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + c * in + g * GROUP));         \
+                _mm_prefetch((const char *)(w + c * in + g * GROUP + QPREFETCH), _MM_HINT_T0);            \
+                _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)                                      \
+                    acc[c][r] = _mm256_fmadd_ps(dot_group(wv, xv[r]),                                     \
+                                                _mm256_set1_ps(sw[c * groups + g] * sx[r * groups + g]), acc[c][r]); \
+            }                                                                                             \
+        }                                                                                                 \
+        _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++)                                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) y[r * ldy + c] = hsum(acc[c][r]);       \
+    }
+DEFINE_QTILE(4, 1) DEFINE_QTILE(4, 2) DEFINE_QTILE(2, 3) DEFINE_QTILE(2, 4)
+DEFINE_QTILE(1, 1) DEFINE_QTILE(1, 2) DEFINE_QTILE(1, 3) DEFINE_QTILE(1, 4)
+
+#define QSHAPE(RB, OB)                                                                                   \
+    case RB:                                                                                             \
+        for (; c + OB <= n_out; c += OB) qtile_##OB##_##RB(w + c * in, sw + c * groups, xr, sxr, in, yr + c, ldy); \
+        for (; c < n_out; c++) qtile_1_##RB(w + c * in, sw + c * groups, xr, sxr, in, yr + c, ldy);      \
+        break;
+
+static void qdot_rows(const int8_t *w, const float *sw, long n_out, const int8_t *x, const float *sx, long rows,
+                      long in, float *y, long ldy) {
+    const long groups = in / GROUP;
+    for (long r0 = 0; r0 < rows; r0 += 4) {
+        const int n = rows - r0 < 4 ? (int)(rows - r0) : 4;
+        const int8_t *xr = x + r0 * in;
+        const float *sxr = sx + r0 * groups;
+        float *yr = y + r0 * ldy;
+        long c = 0;
+        switch (n) { QSHAPE(1, 4) QSHAPE(2, 4) QSHAPE(3, 2) QSHAPE(4, 2) }
+    }
+}
+
+int cadence_int8_has_int8_dot(void) { return 1; }
+
+/* As cadence_int8_linear, with the activations rounded to int8 as above. */
+void cadence_int8_linear_int8_dot(const float *x, long rows, long in, const int8_t *q, const float *scale,
+                                  const float *bias, long out, float *y) {
+    const long groups = in / GROUP;
+#pragma omp parallel
+    {
+        static __thread int8_t xq[QROWS * MAX_IN] __attribute__((aligned(64)));
+        static __thread float xs[QROWS * MAX_IN / GROUP];
+        for (long r0 = 0; r0 < rows; r0 += QROWS) {
+            const long n = rows - r0 < QROWS ? rows - r0 : QROWS;
+            quantize_rows(x + r0 * in, n, in, xq, xs);
+#pragma omp for schedule(static) nowait
+            for (long o0 = 0; o0 < out; o0 += OUT_CHUNK) {
+                const long n_out = o0 + OUT_CHUNK < out ? OUT_CHUNK : out - o0;
+                qdot_rows(q + o0 * in, scale + o0 * groups, n_out, xq, xs, n, in, y + r0 * out + o0, out);
+                if (bias)
+                    for (long r = r0; r < r0 + n; r++)
+                        for (long o = o0; o < o0 + n_out; o++) y[r * out + o] += bias[o];
+            }
+        }
+    }
+}
+#else
+int cadence_int8_has_int8_dot(void) { return 0; }
+
+void cadence_int8_linear_int8_dot(const float *x, long rows, long in, const int8_t *q, const float *scale,
+                                  const float *bias, long out, float *y) {
     cadence_int8_linear(x, rows, in, q, scale, bias, out, y);
 }
 #endif
