@@ -187,7 +187,7 @@ def time_step(decoder: BatchedDecoder, width: int, rows_per_slot: int = 1) -> fl
     times = []
     for i in range(WARMUP_STEPS + TIMED_STEPS):
         batch = StepBatch.build(slots, [[1] * rows_per_slot] * width, [HISTORY + i * rows_per_slot] * width,
-                                device=decoder.device)
+                                device=decoder.device, prompt_lengths=[0] * width)  # decoding: generated rows
         if decoder.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -191,6 +191,9 @@ class Engine:
                 precision = choice.chosen
             self._precisions[model] = (precision, choice)
             decoder = Decoder(loaded, precision=precision)
+            # int8 chat: generated tokens on integer products where auto measured that and it qualified
+            integer_dot = bool(choice is not None and choice.candidates.get(precision, {}).get("integer_dot"))
+            way = "-integer-dot" if integer_dot and decoder.use_integer_dot(True) else ""
             asked = self.context if isinstance(self.context, int) and loaded.family == CHAT else None
             if asked:  # the width's memory bound is reckoned at the length asked for
                 decoder.max_len = min(decoder.context_limit, asked)
@@ -199,7 +202,7 @@ class Engine:
             calibration = None
             if self.batch == "auto" or self.drafter != "off":  # drafting needs the step-time curve too
                 rule = self.width_rule if self.batch == "auto" else "interactive"  # (for drafting: up to 16)
-                calibration = calibrate(decoder, loaded.source.name, f"{key}-{precision}", rule=rule)
+                calibration = calibrate(decoder, loaded.source.name, f"{key}-{precision}{way}", rule=rule)
             if calibration is not None:
                 self._calibrations[model] = calibration  # the curve and its choice, shown even when not used
             if self.batch == "auto":

@@ -40,7 +40,7 @@ from engine.filelock import held
 from engine.paths import cache_dir
 from engine.seam import StepBatch
 
-CHOICE_VERSION = 7  # 2: Whisper's encoder memory kept in bfloat16 (its speed and words changed); 3: a longer check clip; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8 with float32 activations on bfloat16 CPUs too, 16 lanes where AVX-512 wins
+CHOICE_VERSION = 8  # 2: Whisper's encoder memory kept in bfloat16 (its speed and words changed); 3: a longer check clip; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8 with float32 activations on bfloat16 CPUs too, 16 lanes where AVX-512 wins; 8: int8 chat may run generated tokens on integer products (engine.native)
 MIN_AGREEMENT = 0.97  # chat: share of positions whose top-1 token equals float32's
 MAX_WER_RISE = 0.005  # Whisper: word error rate at most this much above float32's (0.5 points)
 CHECK_TOKENS = 48  # chat: greedy tokens per check prompt
@@ -114,6 +114,22 @@ def chat_agreement(candidate, prompts: list[list[int]], answers: list[list[int]]
     picks = candidate.forward(batch, torch.tensor(wanted, device=candidate.device)).argmax(-1).tolist()
     expected = [t for a in answers for t in a]
     return sum(p == e for p, e in zip(picks, expected)) / max(len(expected), 1)
+
+
+def _chat_entry(decoder, precision: str, prompts: list[list[int]], answers: list[list[int]]) -> dict:
+    """A chat candidate's quality and speed. int8 first tries generated tokens on the integer kernel
+    (where the decoder has it) and keeps it only if that qualifies; else it measures int8 without."""
+    if precision == "float32":
+        return {"agreement": 1.0, "qualifies": True, **chat_speed(decoder)}
+    integer = {}
+    if precision == "int8" and decoder.use_integer_dot(True):
+        quality = chat_agreement(decoder, prompts, answers)
+        if quality >= MIN_AGREEMENT:
+            return {"agreement": round(quality, 4), "qualifies": True, "integer_dot": True, **chat_speed(decoder)}
+        decoder.use_integer_dot(False)
+        integer = {"integer_dot": False, "integer_dot_agreement": round(quality, 4)}
+    quality = chat_agreement(decoder, prompts, answers)
+    return {"agreement": round(quality, 4), "qualifies": quality >= MIN_AGREEMENT, **integer, **chat_speed(decoder)}
 
 
 def chat_speed(decoder) -> dict:
@@ -225,9 +241,7 @@ def _choose(loaded, reference, build, identity: str, path: Path, use_cache: bool
         for precision in precisions_on(device):
             decoder = base if precision == "float32" else build(precision)
             if chat:
-                quality = 1.0 if precision == "float32" else chat_agreement(decoder, prompts, answers)
-                entry = {"agreement": round(quality, 4), "qualifies": quality >= MIN_AGREEMENT,
-                         **chat_speed(decoder)}
+                entry = _chat_entry(decoder, precision, prompts, answers)
             else:
                 wer = base_wer if precision == "float32" else word_error_rate(
                     text, whisper_transcript(decoder, reference, samples))
@@ -260,9 +274,13 @@ def _why(choice: PrecisionChoice, chat: bool) -> str:
     base = choice.candidates["float32"]
     speed = (f"{best['tok_s'][1]:.0f} tok/s alone, {best['tok_s'][8]:.0f} at width 8" if chat
              else f"{best['window_ms']:.0f} ms a 30-s window")
-    parts = [f"{choice.chosen}: the fastest within quality bounds ({speed}"
+    way = " (generated tokens on integer products)" if best.get("integer_dot") else ""
+    parts = [f"{choice.chosen}{way}: the fastest within quality bounds ({speed}"
              + (f", {best['score'] / base['score']:.2f}x float32)" if choice.chosen != "float32" else ")")]
     for precision, entry in choice.candidates.items():
+        if entry.get("integer_dot") is False:
+            parts.append(f"{precision}'s integer products left out (top-1 agreement "
+                         f"{entry['integer_dot_agreement']:.1%} < {MIN_AGREEMENT:.0%})")
         if not entry["qualifies"]:
             measure = (f"top-1 agreement {entry['agreement']:.1%} < {MIN_AGREEMENT:.0%}" if chat
                        else f"word error rate {entry['wer']:.1%} vs {base['wer']:.1%}")

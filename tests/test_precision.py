@@ -183,3 +183,66 @@ def test_a_choice_measured_while_the_machine_got_busy_serves_but_is_not_kept(tin
     assert not choice.steady and choice.chosen in OFFERED
     assert "Measured while the machine was busy (float32: a 30-s window in" in choice.why
     assert not _cache_file(key, device_identity(torch.device("cpu"))).exists()
+
+
+def test_int8_chat_keeps_integer_products_for_generated_tokens_only_where_they_qualify(smollm):
+    """auto's int8 chat candidate tries generated tokens on the integer kernel first (where the CPU has
+    it) and keeps it only at 97% top-1 agreement with float32; the entry says which it measured."""
+    from engine import native
+    from engine.chat.reference import ChatReference, build_messages
+    from engine.families.llama import LlamaBatched
+    from engine.precision import MIN_AGREEMENT, _chat_entry, _greedy
+
+    reference = ChatReference(smollm)
+    prompts = [reference.prompt_ids(build_messages(p)) for p in PROMPTS[:3]]
+    answers = _greedy(LlamaBatched(smollm, precision="float32"), prompts, 16)
+    decoder = LlamaBatched(smollm, precision="int8")
+    entry = _chat_entry(decoder, "int8", prompts, answers)
+    assert "i8dot" in native.int8_kernels_here() and "integer_dot" in entry  # every AVX2 CPU has it
+    on = decoder._c_layers.kernels[1] == list(native.INT8_KERNELS).index("i8dot")
+    assert on == entry["integer_dot"]
+    if on:
+        assert entry["agreement"] >= MIN_AGREEMENT and entry["qualifies"]
+    else:
+        assert entry["integer_dot_agreement"] < MIN_AGREEMENT
+    assert entry["tok_s"][1] > 0 and entry["tok_s"][8] > 0
+    # Greedy answers with generated tokens on integer products: each prompt alone equals all at once.
+    decoder.use_integer_dot(True)
+    together = _greedy(decoder, prompts, 12)
+    assert together == [_greedy(decoder, [p], 12)[0] for p in prompts]
+
+
+def test_an_auto_choice_with_integer_products_reaches_the_lane(smollm, monkeypatch):
+    """The engine runs what auto recorded: an int8 choice whose entry has integer_dot gets a lane whose
+    generated rows run on the integer kernel, and its status says so."""
+    from engine import native
+    from engine.calibration import device_identity
+    from engine.loading import source_key
+    from engine.precision import PrecisionChoice, _cache_file
+
+    monkeypatch.delenv("CADENCE_INT8_KERNEL", raising=False)
+    entry = {"agreement": 0.98, "qualifies": True, "integer_dot": True, "tok_s": {"1": 100.0, "8": 300.0},
+             "step_ms": {"1": 10.0, "8": 26.0}, "score": 3.0}
+    float32 = {"agreement": 1.0, "qualifies": True, "tok_s": {"1": 20.0, "8": 100.0}, "step_ms": {"1": 50.0, "8": 80.0},
+               "score": 1.0}
+    choice = PrecisionChoice(model="smollm2-135m-instruct", device=device_identity("cpu"), chosen="int8",
+                             why="int8 (generated tokens on integer products): recorded by this test.",
+                             candidates={"float32": float32, "int8": entry})
+    path = _cache_file(source_key(smollm.source), device_identity("cpu"))
+    kept = path.read_text() if path.is_file() else None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(choice.to_json()))
+    engine = Engine(backend="cpu", batch=2, drafter="off", precision="auto")
+    try:
+        answer = engine.submit(ChatRequest(PROMPTS[2], params=SamplingParams(max_tokens=8))).result(600)
+        assert answer.tokens
+        lane = engine.status()["lanes"]["smollm2-135m-instruct"]
+        assert lane["precision"] == "int8" and lane["precision_why"] == choice.why
+        decoder = engine._lanes["smollm2-135m-instruct"].decoder
+        assert decoder._c_layers.kernels[1] == list(native.INT8_KERNELS).index("i8dot")
+    finally:
+        engine.shutdown()
+        if kept is None:
+            path.unlink()
+        else:
+            path.write_text(kept)

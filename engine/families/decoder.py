@@ -131,6 +131,12 @@ class DecoderOnly(BatchedDecoder):
         self._c_layers = native.DecoderLayers(self) if self.layers_in_c else None
         self.allocate(width)
 
+    def use_integer_dot(self, on: bool = True) -> bool:
+        """int8 on CPU: run generated tokens' rows through the layers on the integer kernel (activations
+        rounded to int8: faster at a few rows, a little less exact; prompt rows and the output layer keep
+        the float kernel), or not. Whether it now runs so (False where the layer loop is not in C)."""
+        return self._c_layers.integer_dot(on) if self._c_layers is not None else False
+
     # ------------------------------------------------------------------ hooks (a family changes these)
     def _layer(self, i: int, layer, prep: WeightPrep) -> Layer:
         """Layer ``i``'s weights, from transformers' module of the Llama layout."""
@@ -270,13 +276,7 @@ class DecoderOnly(BatchedDecoder):
         if logit_rows is not None:
             x = x[logit_rows]
         hidden = self._norm(x, self.norm)
-        logits = None
-        if self._c_layers is not None and self.layers_in_c:  # each row by its kind's kernel, as the layers ran
-            kinds = batch.generated
-            logits = self._c_layers.output(hidden, kinds[logit_rows] if kinds is not None and logit_rows is not None
-                                           else kinds)
-        if logits is None:
-            logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return (logits, hidden) if with_hidden else logits

@@ -3,7 +3,8 @@
 ``int8_linear.c``: the group-wise int8 matrix product int8 precision uses on CPU (see
 :mod:`engine.kernels`), in three kernels (:data:`INT8_KERNELS`): float32 activations summed in 8 lanes
 (AVX2) or, where the processor has AVX-512, 16; or activations rounded to int8 per 32 inputs and
-multiplied as integers (llama.cpp's Q8_0 product; only where asked, :func:`int8_kernels`). They sum
+multiplied as integers (llama.cpp's Q8_0 product; for generated tokens where ``auto`` finds it within
+quality bounds, :func:`int8_kernels`). They sum
 in different orders, so which float one runs is timed once per machine and recorded beside the library,
 and every run there gives the same bits; ``layer_ops.c``: the residual add with the RMS norm after it, the rotary
 embedding, SiLU(gate) * up and the attention over the KV cache, fused for the same precision's float32
@@ -123,10 +124,6 @@ def int8_library():
                                                        + [ctypes.c_void_p] + [ctypes.c_int] * 2
                                                        + [ctypes.c_void_p] * 5 + [ctypes.c_long] * 2
                                                        + [ctypes.c_void_p] * 3)
-            library.cadence_int8_linear_by_kind.restype = None
-            library.cadence_int8_linear_by_kind.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
-                                                            + [ctypes.c_void_p] * 3 + [ctypes.c_long]
-                                                            + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2)
             library.cadence_decoder_layers_work.restype = library.cadence_decoder_layers_per_layer.restype = ctypes.c_long
             library.cadence_decoder_layers_work.argtypes = [ctypes.c_long] * 6
             library.cadence_rotary.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
@@ -170,13 +167,13 @@ def int8_kernels_here() -> list[str]:
 
 
 def int8_kernels() -> tuple[str, str]:
-    """The int8 kernels this machine runs (names in INT8_KERNELS): one for prompt rows (and rows of
-    unknown kind), one for rows of generated tokens. Unless asked otherwise, both are the faster float
-    kernel over a decoder's layers at 1 and 8 rows (interleaved, best of 7), recorded beside the library
-    so every run here sums alike. The integer kernel runs only where ``CADENCE_INT8_KERNEL`` asks for it:
-    it decodes faster but rounds the activations, which on SmolLM2 put greedy top-1 agreement with
-    float32 just under the 97% that ``auto`` requires (docs/BENCHMARKS.md). ``CADENCE_INT8_KERNEL``:
-    one name for both kinds, or ``PROMPT,GENERATED`` (e.g. ``f32x16,i8dot``); not recorded."""
+    """The int8 kernels this machine runs by default (names in INT8_KERNELS): one for prompt rows (and
+    rows of unknown kind), one for rows of generated tokens. Both are the faster float kernel over a
+    decoder's layers at 1 and 8 rows (interleaved, best of 7), recorded beside the library so every run
+    here sums alike. The integer kernel decodes faster but rounds the activations: a decoder runs its
+    generated rows on it only where ``auto`` measured it within quality bounds for that model
+    (:meth:`DecoderLayers.integer_dot`, engine.precision), or where ``CADENCE_INT8_KERNEL`` asks: one
+    name for both kinds, or ``PROMPT,GENERATED`` (e.g. ``f32x16,i8dot``); not recorded."""
     if _KERNEL:
         return _KERNEL[0]
     here = int8_kernels_here()
@@ -334,7 +331,6 @@ class DecoderLayers:
             self.pointers[i * self.per_layer : (i + 1) * self.per_layer] = entries
         self.windows = torch.tensor([layer.window or 0 for layer in layers], dtype=torch.long)
         self.kernels = [list(INT8_KERNELS).index(kernel) for kernel in int8_kernels()]  # prompt rows', generated rows'
-        self.output_layer = decoder.lm_head if decoder.lm_head.native else None
 
     def _point_at_cache(self, cache) -> None:
         """The layers' key and value caches' addresses, read again every step (a cache grows by moving)."""
@@ -364,22 +360,13 @@ class DecoderLayers:
             x.data_ptr(), normed.data_ptr(), work.data_ptr())
         return x
 
-    def output(self, hidden, generated):
-        """The output layer (lm_head) over final-normed rows [N, d], each by its kind's kernel (generated
-        [N] uint8, or None: all prompt rows); None where the output layer is not on the native kernel."""
-        import torch
-
-        layer = self.output_layer
-        if layer is None:
-            return None
-        hidden = hidden.contiguous()
-        y = torch.empty(hidden.shape[0], layer.out_features, dtype=torch.float32)
-        if hidden.shape[0]:
-            generated = generated.contiguous() if generated is not None else None
-            self.library.cadence_int8_linear_by_kind(
-                hidden.data_ptr(), hidden.shape[0], layer.in_features, layer.q.data_ptr(), layer.scale.data_ptr(),
-                _pointer(layer.bias), layer.out_features, y.data_ptr(), _pointer(generated), *self.kernels)
-        return y
+    def integer_dot(self, on: bool) -> bool:
+        """Run generated tokens' rows on the integer kernel (on) or on the prompt rows' kernel; whether
+        they now run on it. Where ``CADENCE_INT8_KERNEL`` names the kernels, those stay."""
+        here = int8_kernels_here()
+        if not os.environ.get("CADENCE_INT8_KERNEL") and "i8dot" in here:
+            self.kernels[1] = list(INT8_KERNELS).index("i8dot") if on else self.kernels[0]
+        return self.kernels[1] == list(INT8_KERNELS).index("i8dot")
 
 
 def _pointer(tensor):
