@@ -192,8 +192,11 @@ class Engine:
             self._precisions[model] = (precision, choice)
             decoder = Decoder(loaded, precision=precision)
             # int8 chat: generated tokens on integer products where auto measured that and it qualified
-            integer_dot = bool(choice is not None and choice.candidates.get(precision, {}).get("integer_dot"))
-            way = "-integer-dot" if integer_dot and decoder.use_integer_dot(True) else ""
+            entry = choice.candidates.get(precision, {}) if choice is not None else {}
+            down = entry.get("integer_down", True)
+            way = ""
+            if entry.get("integer_dot") and decoder.use_integer_dot(True, down=down):
+                way = "-integer-dot" + ("" if down else "-but-down")
             asked = self.context if isinstance(self.context, int) and loaded.family == CHAT else None
             if asked:  # the width's memory bound is reckoned at the length asked for
                 decoder.max_len = min(decoder.context_limit, asked)

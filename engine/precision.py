@@ -40,7 +40,7 @@ from engine.filelock import held
 from engine.paths import cache_dir
 from engine.seam import StepBatch
 
-CHOICE_VERSION = 8  # 2: Whisper's encoder memory kept in bfloat16 (its speed and words changed); 3: a longer check clip; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8 with float32 activations on bfloat16 CPUs too, 16 lanes where AVX-512 wins; 8: int8 chat may run generated tokens on integer products (engine.native)
+CHOICE_VERSION = 9  # 2: Whisper's encoder memory kept in bfloat16 (its speed and words changed); 3: a longer check clip; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8 with float32 activations on bfloat16 CPUs too, 16 lanes where AVX-512 wins; 8: int8 chat may run generated tokens on integer products (engine.native); 9: or all but the MLP's down projection
 MIN_AGREEMENT = 0.97  # chat: share of positions whose top-1 token equals float32's
 MAX_WER_RISE = 0.005  # Whisper: word error rate at most this much above float32's (0.5 points)
 CHECK_TOKENS = 48  # chat: greedy tokens per check prompt
@@ -125,9 +125,16 @@ def _chat_entry(decoder, precision: str, prompts: list[list[int]], answers: list
     if precision == "int8" and decoder.use_integer_dot(True):
         quality = chat_agreement(decoder, prompts, answers)
         if quality >= MIN_AGREEMENT:
-            return {"agreement": round(quality, 4), "qualifies": True, "integer_dot": True, **chat_speed(decoder)}
+            return {"agreement": round(quality, 4), "qualifies": True, "integer_dot": True, "integer_down": True,
+                    **chat_speed(decoder)}
+        integer = {"integer_dot_agreement": round(quality, 4)}
+        decoder.use_integer_dot(True, down=False)  # the down projection's outliers kept on the float kernel
+        without_down = chat_agreement(decoder, prompts, answers)
+        if without_down >= MIN_AGREEMENT:
+            return {"agreement": round(without_down, 4), "qualifies": True, "integer_dot": True,
+                    "integer_down": False, **integer, **chat_speed(decoder)}
         decoder.use_integer_dot(False)
-        integer = {"integer_dot": False, "integer_dot_agreement": round(quality, 4)}
+        integer.update(integer_dot=False, integer_dot_agreement_without_down=round(without_down, 4))
     quality = chat_agreement(decoder, prompts, answers)
     return {"agreement": round(quality, 4), "qualifies": quality >= MIN_AGREEMENT, **integer, **chat_speed(decoder)}
 
@@ -274,13 +281,20 @@ def _why(choice: PrecisionChoice, chat: bool) -> str:
     base = choice.candidates["float32"]
     speed = (f"{best['tok_s'][1]:.0f} tok/s alone, {best['tok_s'][8]:.0f} at width 8" if chat
              else f"{best['window_ms']:.0f} ms a 30-s window")
-    way = " (generated tokens on integer products)" if best.get("integer_dot") else ""
+    way = ""
+    if best.get("integer_dot"):
+        way = " (generated tokens on integer products" + (
+            "" if best.get("integer_down", True) else
+            f", but for the MLP's down projection: all on them agreed {best['integer_dot_agreement']:.1%} "
+            f"< {MIN_AGREEMENT:.0%}") + ")"
     parts = [f"{choice.chosen}{way}: the fastest within quality bounds ({speed}"
              + (f", {best['score'] / base['score']:.2f}x float32)" if choice.chosen != "float32" else ")")]
     for precision, entry in choice.candidates.items():
         if entry.get("integer_dot") is False:
             parts.append(f"{precision}'s integer products left out (top-1 agreement "
-                         f"{entry['integer_dot_agreement']:.1%} < {MIN_AGREEMENT:.0%})")
+                         f"{entry['integer_dot_agreement']:.1%}, "
+                         f"{entry.get('integer_dot_agreement_without_down', 0):.1%} with the down projection on "
+                         f"float products; < {MIN_AGREEMENT:.0%})")
         if not entry["qualifies"]:
             measure = (f"top-1 agreement {entry['agreement']:.1%} < {MIN_AGREEMENT:.0%}" if chat
                        else f"word error rate {entry['wer']:.1%} vs {base['wer']:.1%}")

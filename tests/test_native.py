@@ -129,7 +129,7 @@ def test_the_decoder_layers_in_one_c_call_give_the_python_loops_bits(smollm):
         return logits
 
     for kernel in native.int8_kernels_here():
-        decoder._c_layers.kernels = [list(native.INT8_KERNELS).index(kernel)] * 2
+        decoder._c_layers.kernels = [list(native.INT8_KERNELS).index(kernel)] * 3
         monkey = native._KERNEL[:]  # the Python loop's products run this kernel too
         native._KERNEL[:] = [(kernel, kernel)]
         try:
@@ -324,7 +324,7 @@ def test_prompt_rows_and_generated_rows_keep_their_own_kernels_whatever_shares_t
 
     decoder = LlamaBatched(smollm, width=2, precision="int8")
     prompt_kernel = "f32x16" if "f32x16" in native.int8_kernels_here() else "f32x8"
-    decoder._c_layers.kernels = [list(native.INT8_KERNELS).index(k) for k in (prompt_kernel, "i8dot")]
+    decoder._c_layers.kernels = [list(native.INT8_KERNELS).index(k) for k in (prompt_kernel, "i8dot", "i8dot")]
     first = [[1, 9690, 198, 1204, 314], [5, 6, 7]]
 
     def run(together: bool, answer_is_generated: bool = True) -> list[torch.Tensor]:
@@ -343,3 +343,28 @@ def test_prompt_rows_and_generated_rows_keep_their_own_kernels_whatever_shares_t
     alone, together = run(False), run(True)
     assert all(torch.equal(a, b) for a, b in zip(alone, together))
     assert not torch.equal(run(False, answer_is_generated=False)[0], alone[0])  # the kinds did run differently
+
+
+def test_generated_rows_may_keep_the_down_projection_on_float_products(smollm, monkeypatch):
+    """use_integer_dot(True, down=False) runs generated rows on the integer kernel but for the MLP's down
+    projection: a generated token's logits differ from both all-float and all-integer products, while
+    prompt rows keep the float kernel's bits whatever is asked for generated ones."""
+    from engine.families.llama import LlamaBatched
+    from engine.seam import StepBatch
+
+    monkeypatch.delenv("CADENCE_INT8_KERNEL", raising=False)
+    decoder = LlamaBatched(smollm, width=1, precision="int8")
+    prompt = [1, 9690, 198, 1204, 314]
+
+    def logits(*integer) -> tuple[torch.Tensor, torch.Tensor]:
+        decoder.use_integer_dot(*integer)
+        decoder.allocate(1)
+        first = decoder.forward(StepBatch.build([0], [prompt], [0], prompt_lengths=[5]))
+        return first[-1], decoder.forward(StepBatch.build([0], [[42]], [5], prompt_lengths=[5]))[0]
+
+    floats, integers, but_down = logits(False), logits(True, True), logits(True, False)
+    assert decoder.use_integer_dot(True, down=False) and not decoder._c_layers.integer_down
+    assert decoder.use_integer_dot(True) and decoder._c_layers.integer_down
+    assert torch.equal(floats[0], integers[0]) and torch.equal(floats[0], but_down[0])  # prompt rows alike
+    assert not torch.equal(but_down[1], floats[1]) and not torch.equal(but_down[1], integers[1])
+    assert (but_down[1] - floats[1]).abs().max() < 0.1 * floats[1].abs().max()  # a rounding, not another model

@@ -201,10 +201,14 @@ def test_int8_chat_keeps_integer_products_for_generated_tokens_only_where_they_q
     assert "i8dot" in native.int8_kernels_here() and "integer_dot" in entry  # every AVX2 CPU has it
     on = decoder._c_layers.kernels[1] == list(native.INT8_KERNELS).index("i8dot")
     assert on == entry["integer_dot"]
-    if on:
+    if on:  # all on integer products, or all but the down projection where all of them fell short
         assert entry["agreement"] >= MIN_AGREEMENT and entry["qualifies"]
+        assert decoder._c_layers.integer_down == entry["integer_down"]
+        if not entry["integer_down"]:
+            assert entry["integer_dot_agreement"] < MIN_AGREEMENT
     else:
         assert entry["integer_dot_agreement"] < MIN_AGREEMENT
+        assert entry["integer_dot_agreement_without_down"] < MIN_AGREEMENT
     assert entry["tok_s"][1] > 0 and entry["tok_s"][8] > 0
     # Greedy answers with generated tokens on integer products: each prompt alone equals all at once.
     decoder.use_integer_dot(True)
@@ -212,16 +216,19 @@ def test_int8_chat_keeps_integer_products_for_generated_tokens_only_where_they_q
     assert together == [_greedy(decoder, [p], 12)[0] for p in prompts]
 
 
-def test_an_auto_choice_with_integer_products_reaches_the_lane(smollm, monkeypatch):
+@pytest.mark.parametrize("down", [True, False])
+def test_an_auto_choice_with_integer_products_reaches_the_lane(smollm, monkeypatch, down):
     """The engine runs what auto recorded: an int8 choice whose entry has integer_dot gets a lane whose
-    generated rows run on the integer kernel, and its status says so."""
+    generated rows run on the integer kernel (the down projection too, or not, as recorded), and its
+    status says so."""
     from engine import native
     from engine.calibration import device_identity
     from engine.loading import source_key
     from engine.precision import PrecisionChoice, _cache_file
 
     monkeypatch.delenv("CADENCE_INT8_KERNEL", raising=False)
-    entry = {"agreement": 0.98, "qualifies": True, "integer_dot": True, "tok_s": {"1": 100.0, "8": 300.0},
+    entry = {"agreement": 0.98, "qualifies": True, "integer_dot": True, "integer_down": down,
+             "integer_dot_agreement": 0.98 if down else 0.96, "tok_s": {"1": 100.0, "8": 300.0},
              "step_ms": {"1": 10.0, "8": 26.0}, "score": 3.0}
     float32 = {"agreement": 1.0, "qualifies": True, "tok_s": {"1": 20.0, "8": 100.0}, "step_ms": {"1": 50.0, "8": 80.0},
                "score": 1.0}
@@ -240,6 +247,7 @@ def test_an_auto_choice_with_integer_products_reaches_the_lane(smollm, monkeypat
         assert lane["precision"] == "int8" and lane["precision_why"] == choice.why
         decoder = engine._lanes["smollm2-135m-instruct"].decoder
         assert decoder._c_layers.kernels[1] == list(native.INT8_KERNELS).index("i8dot")
+        assert decoder._c_layers.integer_down == down
     finally:
         engine.shutdown()
         if kept is None:

@@ -131,11 +131,12 @@ class DecoderOnly(BatchedDecoder):
         self._c_layers = native.DecoderLayers(self) if self.layers_in_c else None
         self.allocate(width)
 
-    def use_integer_dot(self, on: bool = True) -> bool:
+    def use_integer_dot(self, on: bool = True, down: bool = True) -> bool:
         """int8 on CPU: run generated tokens' rows through the layers on the integer kernel (activations
         rounded to int8: faster at a few rows, a little less exact; prompt rows and the output layer keep
-        the float kernel), or not. Whether it now runs so (False where the layer loop is not in C)."""
-        return self._c_layers.integer_dot(on) if self._c_layers is not None else False
+        the float kernel), or not; ``down`` False keeps the MLP's down projection on the float kernel too.
+        Whether it now runs so (False where the layer loop is not in C)."""
+        return self._c_layers.integer_dot(on, down) if self._c_layers is not None else False
 
     # ------------------------------------------------------------------ hooks (a family changes these)
     def _layer(self, i: int, layer, prep: WeightPrep) -> Layer:

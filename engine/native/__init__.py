@@ -121,7 +121,7 @@ def int8_library():
                                                + [ctypes.c_float, ctypes.c_void_p])
             library.cadence_decoder_layers.restype = None
             library.cadence_decoder_layers.argtypes = ([ctypes.c_void_p] + [ctypes.c_long] * 8 + [ctypes.c_float] * 2
-                                                       + [ctypes.c_void_p] + [ctypes.c_int] * 2
+                                                       + [ctypes.c_void_p] + [ctypes.c_int] * 3
                                                        + [ctypes.c_void_p] * 5 + [ctypes.c_long] * 2
                                                        + [ctypes.c_void_p] * 3)
             library.cadence_decoder_layers_work.restype = library.cadence_decoder_layers_per_layer.restype = ctypes.c_long
@@ -330,7 +330,8 @@ class DecoderLayers:
             entries += [layer.ffn_norm.data_ptr(), following, None, None]
             self.pointers[i * self.per_layer : (i + 1) * self.per_layer] = entries
         self.windows = torch.tensor([layer.window or 0 for layer in layers], dtype=torch.long)
-        self.kernels = [list(INT8_KERNELS).index(kernel) for kernel in int8_kernels()]  # prompt rows', generated rows'
+        prompt, generated = (list(INT8_KERNELS).index(kernel) for kernel in int8_kernels())
+        self.kernels = [prompt, generated, generated]  # prompt rows', generated rows', generated rows' in down
 
     def _point_at_cache(self, cache) -> None:
         """The layers' key and value caches' addresses, read again every step (a cache grows by moving)."""
@@ -360,13 +361,22 @@ class DecoderLayers:
             x.data_ptr(), normed.data_ptr(), work.data_ptr())
         return x
 
-    def integer_dot(self, on: bool) -> bool:
+    def integer_dot(self, on: bool, down: bool = True) -> bool:
         """Run generated tokens' rows on the integer kernel (on) or on the prompt rows' kernel; whether
-        they now run on it. Where ``CADENCE_INT8_KERNEL`` names the kernels, those stay."""
+        they now run on it. ``down`` False keeps the MLP's down projection on the prompt rows' kernel (its
+        inputs carry the outliers that rounding to int8 loses most on). Where ``CADENCE_INT8_KERNEL``
+        names the kernels, those stay."""
         here = int8_kernels_here()
+        integer = list(INT8_KERNELS).index("i8dot")
         if not os.environ.get("CADENCE_INT8_KERNEL") and "i8dot" in here:
-            self.kernels[1] = list(INT8_KERNELS).index("i8dot") if on else self.kernels[0]
-        return self.kernels[1] == list(INT8_KERNELS).index("i8dot")
+            self.kernels[1] = integer if on else self.kernels[0]
+            self.kernels[2] = integer if on and down else self.kernels[0]
+        return self.kernels[1] == integer
+
+    @property
+    def integer_down(self) -> bool:
+        """Whether generated rows' down projections run on the integer kernel."""
+        return self.kernels[2] == list(INT8_KERNELS).index("i8dot")
 
 
 def _pointer(tensor):

@@ -60,17 +60,19 @@ long cadence_decoder_layers_work(long rows, long d, long heads, long kv_heads, l
 /* x [rows, d]: the residual stream entering layer 0, `normed` [rows, d] its input norm; on return x
  * holds the stream after the last layer (before the final norm). Kernels: 0, 1, 2 for the 8-lane,
  * 16-lane and integer int8 kernels, one for prompt rows and one for generated rows (as
- * cadence_int8_linear_by_kind); windows[i]: layer i's sliding window (0: none); the cache
+ * cadence_int8_linear_by_kind), and one for generated rows in the MLP's down projection (whose inputs,
+ * SiLU(gate) * up, carry the outliers that rounding activations to int8 loses most on); windows[i]: layer i's sliding window (0: none); the cache
  * strides as in cadence_attend; work: cadence_decoder_layers_work floats. */
 void cadence_decoder_layers(void *const *layers, long n_layers, const long *windows, long rows, long d, long heads,
                             long kv_heads, long dim, long ffn, float eps, float scale, const uint8_t *generated,
-                            int prompt_kernel, int generated_kernel,
+                            int prompt_kernel, int generated_kernel, int generated_down_kernel,
                             const float *cos_table, const float *sin_table, const long *table_rows,
                             const long *row_slots, const long *row_positions, long slot_stride, long head_stride,
                             float *x, float *normed, float *work) {
-#define PRODUCT(input, in, which, out, y)                                                                \
+#define PRODUCT_ON(input, in, which, out, y, kernel)                                                     \
     cadence_int8_linear_by_kind(input, rows, in, p[which##_Q], p[which##_S], p[which##_B], out, y, generated, \
-                                prompt_kernel, generated_kernel)
+                                prompt_kernel, kernel)
+#define PRODUCT(input, in, which, out, y) PRODUCT_ON(input, in, which, out, y, generated_kernel)
     const long width = (heads + 2 * kv_heads) * dim;
     float *qkv = work, *attended = qkv + rows * width, *h = attended + rows * heads * dim, *up = h + rows * d,
           *gated = up + rows * 2 * ffn;
@@ -85,7 +87,7 @@ void cadence_decoder_layers(void *const *layers, long n_layers, const long *wind
         cadence_add_rms_norm(x, h, rows, d, p[FFN_NORM], eps, x, normed);
         PRODUCT(normed, d, UP, 2 * ffn, up);
         cadence_silu_mul(up, rows, ffn, 2 * ffn, gated);
-        PRODUCT(gated, ffn, DOWN, d, h);
+        PRODUCT_ON(gated, ffn, DOWN, d, h, generated_down_kernel);
         if (p[NEXT_NORM]) {
             cadence_add_rms_norm(x, h, rows, d, p[NEXT_NORM], eps, x, normed);
         } else {
@@ -94,3 +96,4 @@ void cadence_decoder_layers(void *const *layers, long n_layers, const long *wind
     }
 }
 #undef PRODUCT
+#undef PRODUCT_ON
