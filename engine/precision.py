@@ -293,7 +293,7 @@ def _why(choice: PrecisionChoice, chat: bool) -> str:
         if entry.get("integer_dot") is False:
             parts.append(f"{precision}'s integer products left out (top-1 agreement "
                          f"{entry['integer_dot_agreement']:.1%}, "
-                         f"{entry.get('integer_dot_agreement_without_down', 0):.1%} with the down projection on "
+                         f"{entry['integer_dot_agreement_without_down']:.1%} with the down projection on "
                          f"float products; < {MIN_AGREEMENT:.0%})")
         if not entry["qualifies"]:
             measure = (f"top-1 agreement {entry['agreement']:.1%} < {MIN_AGREEMENT:.0%}" if chat

@@ -210,10 +210,12 @@ def test_int8_chat_keeps_integer_products_for_generated_tokens_only_where_they_q
         assert entry["integer_dot_agreement"] < MIN_AGREEMENT
         assert entry["integer_dot_agreement_without_down"] < MIN_AGREEMENT
     assert entry["tok_s"][1] > 0 and entry["tok_s"][8] > 0
-    # Greedy answers with generated tokens on integer products: each prompt alone equals all at once.
-    decoder.use_integer_dot(True)
-    together = _greedy(decoder, prompts, 12)
-    assert together == [_greedy(decoder, [p], 12)[0] for p in prompts]
+    # Greedy answers with generated tokens on integer products (all, or all but the down projection):
+    # each prompt alone equals all at once.
+    for down in (True, False):
+        decoder.use_integer_dot(True, down=down)
+        together = _greedy(decoder, prompts, 12)
+        assert together == [_greedy(decoder, [p], 12)[0] for p in prompts], down
 
 
 @pytest.mark.parametrize("down", [True, False])

@@ -60,9 +60,10 @@ long cadence_decoder_layers_work(long rows, long d, long heads, long kv_heads, l
 /* x [rows, d]: the residual stream entering layer 0, `normed` [rows, d] its input norm; on return x
  * holds the stream after the last layer (before the final norm). Kernels: 0, 1, 2 for the 8-lane,
  * 16-lane and integer int8 kernels, one for prompt rows and one for generated rows (as
- * cadence_int8_linear_by_kind), and one for generated rows in the MLP's down projection (whose inputs,
- * SiLU(gate) * up, carry the outliers that rounding activations to int8 loses most on); windows[i]: layer i's sliding window (0: none); the cache
- * strides as in cadence_attend; work: cadence_decoder_layers_work floats. */
+ * cadence_int8_linear_by_kind), and one for generated rows in the MLP's down projection (whose
+ * inputs, SiLU(gate) * up, carry the outliers that rounding activations to int8 loses most on);
+ * windows[i]: layer i's sliding window (0: none); the cache strides as in cadence_attend; work:
+ * cadence_decoder_layers_work floats. */
 void cadence_decoder_layers(void *const *layers, long n_layers, const long *windows, long rows, long d, long heads,
                             long kv_heads, long dim, long ffn, float eps, float scale, const uint8_t *generated,
                             int prompt_kernel, int generated_kernel, int generated_down_kernel,
