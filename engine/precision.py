@@ -40,7 +40,7 @@ from engine.filelock import held
 from engine.paths import cache_dir
 from engine.seam import StepBatch
 
-CHOICE_VERSION = 9  # 2: Whisper's encoder memory kept in bfloat16 (its speed and words changed); 3: a longer check clip; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8 with float32 activations on bfloat16 CPUs too, 16 lanes where AVX-512 wins; 8: int8 chat may run generated tokens on integer products (engine.native); 9: or all but the MLP's down projection
+CHOICE_VERSION = 10  # 2: Whisper's encoder memory kept in bfloat16 (its speed and words changed); 3: a longer check clip; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8 with float32 activations on bfloat16 CPUs too, 16 lanes where AVX-512 wins; 8: int8 chat may run generated tokens on integer products (engine.native); 9: or all but the MLP's down projection; 10: the output layer's generated rows, and the down projection's where int8 rounding fell short, on 16-bit integer products
 MIN_AGREEMENT = 0.97  # chat: share of positions whose top-1 token equals float32's
 MAX_WER_RISE = 0.005  # Whisper: word error rate at most this much above float32's (0.5 points)
 CHECK_TOKENS = 48  # chat: greedy tokens per check prompt
@@ -128,7 +128,7 @@ def _chat_entry(decoder, precision: str, prompts: list[list[int]], answers: list
             return {"agreement": round(quality, 4), "qualifies": True, "integer_dot": True, "integer_down": True,
                     **chat_speed(decoder)}
         integer = {"integer_dot_agreement": round(quality, 4)}
-        decoder.use_integer_dot(True, down=False)  # the down projection's outliers kept on the float kernel
+        decoder.use_integer_dot(True, down=False)  # the down projection's outliers on 16-bit integer products
         without_down = chat_agreement(decoder, prompts, answers)
         if without_down >= MIN_AGREEMENT:
             return {"agreement": round(without_down, 4), "qualifies": True, "integer_dot": True,
@@ -285,8 +285,8 @@ def _why(choice: PrecisionChoice, chat: bool) -> str:
     if best.get("integer_dot"):
         way = " (generated tokens on integer products" + (
             "" if best.get("integer_down", True) else
-            f", but for the MLP's down projection: all on them agreed {best['integer_dot_agreement']:.1%} "
-            f"< {MIN_AGREEMENT:.0%}") + ")"
+            f", the MLP's down projection on 16-bit ones: all on 8-bit ones agreed "
+            f"{best['integer_dot_agreement']:.1%} < {MIN_AGREEMENT:.0%}") + ")"
     parts = [f"{choice.chosen}{way}: the fastest within quality bounds ({speed}"
              + (f", {best['score'] / base['score']:.2f}x float32)" if choice.chosen != "float32" else ")")]
     for precision, entry in choice.candidates.items():
@@ -294,7 +294,7 @@ def _why(choice: PrecisionChoice, chat: bool) -> str:
             parts.append(f"{precision}'s integer products left out (top-1 agreement "
                          f"{entry['integer_dot_agreement']:.1%}, "
                          f"{entry['integer_dot_agreement_without_down']:.1%} with the down projection on "
-                         f"float products; < {MIN_AGREEMENT:.0%})")
+                         f"16-bit ones; < {MIN_AGREEMENT:.0%})")
         if not entry["qualifies"]:
             measure = (f"top-1 agreement {entry['agreement']:.1%} < {MIN_AGREEMENT:.0%}" if chat
                        else f"word error rate {entry['wer']:.1%} vs {base['wer']:.1%}")

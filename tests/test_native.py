@@ -31,7 +31,7 @@ def test_the_kernel_builds_here_with_vector_instructions():
     assert library.cadence_int8_simd() == 1  # every CPU Cadence targets has AVX2 and FMA
     assert library.cadence_int8_has_int8_dot() == 1  # AVX2 is enough for the integer kernel
     here = native.int8_kernels_here()
-    assert here[0] == "f32x8" and "i8dot" in here and ("f32x16" in here) == bool(library.cadence_int8_has16())
+    assert here[0] == "f32x8" and {"i8dot", "i16dot"} <= set(here) and ("f32x16" in here) == bool(library.cadence_int8_has16())
     kernels = native.int8_kernels()  # the faster float kernel, timed once, recorded beside the library
     assert kernels[0] == kernels[1] == native.int8_kernel() and kernels[0] in ("f32x8", "f32x16")
     if library.cadence_int8_has16():
@@ -85,10 +85,12 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_the_call(out, size, with_b
             assert torch.equal(together, solo), (kernel, rows)
 
 
+@pytest.mark.parametrize("kernel,levels,closeness", [("i8dot", 127, 0.02), ("i16dot", 32767, 1e-4)])
 @pytest.mark.parametrize("out,size,with_bias", SHAPES)
-def test_the_integer_kernel_sums_rounded_activations_exactly(out, size, with_bias):
-    """i8dot rounds each row to int8 per 32 inputs (scale: the group's largest magnitude / 127, to nearest
-    even) and multiplies integers: its result is that rounding's exact product, up to float32 sums."""
+def test_the_integer_kernels_sum_rounded_activations_exactly(out, size, with_bias, kernel, levels, closeness):
+    """i8dot (i16dot) rounds each row to int8 (int16) per 32 inputs (scale: the group's largest magnitude /
+    127 (32767), to nearest even) and multiplies integers: its result is that rounding's exact product, up
+    to float32 sums; int16's is within a hundredth of a percent of the float product."""
     generator = torch.Generator().manual_seed(out + 7)
     q, scale = quantize_int8(torch.randn(out, size, generator=generator) * 0.05, 32)
     bias = torch.randn(out, generator=generator) if with_bias else None
@@ -97,16 +99,19 @@ def test_the_integer_kernel_sums_rounded_activations_exactly(out, size, with_bia
         x[0, :32] = 0  # an all-zero group rounds to zeros
         groups = x.view(rows, -1, 32)
         largest = groups.abs().amax(dim=2, keepdim=True)
-        rounded = torch.round(groups * torch.where(largest > 0, 127.0 / largest, torch.zeros_like(largest)))
+        # (levels / largest as the kernel divides, in float32: torch computes a number over a tensor as a
+        # reciprocal times the number, which rounds otherwise and moves 16-bit roundings by one)
+        inverse = torch.full_like(largest, levels) / largest
+        rounded = torch.round(groups * torch.where(largest > 0, inverse, torch.zeros_like(largest)))
         sums = torch.einsum("rgk,ogk->rog", rounded.double(), q.view(out, -1, 32).double())  # exact integers
-        expected = (sums * (largest / 127.0).double().view(rows, 1, -1) * scale.double()[None]).sum(dim=2)
+        expected = (sums * (largest / levels).double().view(rows, 1, -1) * scale.double()[None]).sum(dim=2)
         expected = expected + (bias.double() if with_bias else 0)
-        y = native.int8_linear(x, q, scale, bias, "i8dot")
+        y = native.int8_linear(x, q, scale, bias, kernel)
         assert y.dtype == torch.float32 and y.shape == (rows, out)
         assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5), (rows, (y.double() - expected).abs().max())
-        # ...and close to the float product: rounding to 8 bits costs about half a percent
+        # ...and close to the float product: rounding to 8 bits costs about half a percent, to 16 bits next to nothing
         exact = x.double() @ dequantized(q, scale).T + (bias.double() if with_bias else 0)
-        assert (y.double() - exact).norm() <= 0.02 * exact.norm()
+        assert (y.double() - exact).norm() <= closeness * exact.norm()
 
 
 def test_the_decoder_layers_in_one_c_call_give_the_python_loops_bits(smollm):
@@ -324,7 +329,8 @@ def test_prompt_rows_and_generated_rows_keep_their_own_kernels_whatever_shares_t
 
     decoder = LlamaBatched(smollm, width=2, precision="int8")
     prompt_kernel = "f32x16" if "f32x16" in native.int8_kernels_here() else "f32x8"
-    decoder._c_layers.kernels = [list(native.INT8_KERNELS).index(k) for k in (prompt_kernel, "i8dot", "i8dot")]
+    decoder._c_layers.kernels = [list(native.INT8_KERNELS).index(k) for k in (prompt_kernel, "i8dot", "i16dot")]
+    decoder._head_kernels = (prompt_kernel, "i16dot")  # the output layer's rows by kind too
     first = [[1, 9690, 198, 1204, 314], [5, 6, 7]]
 
     def run(together: bool, answer_is_generated: bool = True) -> list[torch.Tensor]:
@@ -345,10 +351,11 @@ def test_prompt_rows_and_generated_rows_keep_their_own_kernels_whatever_shares_t
     assert not torch.equal(run(False, answer_is_generated=False)[0], alone[0])  # the kinds did run differently
 
 
-def test_generated_rows_may_keep_the_down_projection_on_float_products(smollm, monkeypatch):
-    """use_integer_dot(True, down=False) runs generated rows on the integer kernel but for the MLP's down
-    projection: a generated token's logits differ from both all-float and all-integer products, while
-    prompt rows keep the float kernel's bits whatever is asked for generated ones."""
+def test_generated_rows_may_run_the_down_projection_on_16_bit_products(smollm, monkeypatch):
+    """use_integer_dot(True, down=False) runs generated rows on the 8-bit integer kernel but for the MLP's
+    down projection, on the 16-bit one (as the output layer's generated rows, either way): a generated
+    token's logits differ from both all-float and all-8-bit products, while prompt rows keep the float
+    kernel's bits whatever is asked for generated ones."""
     from engine.families.llama import LlamaBatched
     from engine.seam import StepBatch
 
@@ -363,8 +370,11 @@ def test_generated_rows_may_keep_the_down_projection_on_float_products(smollm, m
         return first[-1], decoder.forward(StepBatch.build([0], [[42]], [5], prompt_lengths=[5]))[0]
 
     floats, integers, but_down = logits(False), logits(True, True), logits(True, False)
+    sixteen = list(native.INT8_KERNELS).index("i16dot")
     assert decoder.use_integer_dot(True, down=False) and not decoder._c_layers.integer_down
-    assert decoder.use_integer_dot(True) and decoder._c_layers.integer_down
+    assert decoder._c_layers.kernels[2] == sixteen and decoder._head_kernels[1] == "i16dot"
+    assert decoder.use_integer_dot(True) and decoder._c_layers.integer_down and decoder._head_kernels[1] == "i16dot"
+    assert not decoder.use_integer_dot(False) and decoder._head_kernels is None
     assert torch.equal(floats[0], integers[0]) and torch.equal(floats[0], but_down[0])  # prompt rows alike
     assert not torch.equal(but_down[1], floats[1]) and not torch.equal(but_down[1], integers[1])
     assert (but_down[1] - floats[1]).abs().max() < 0.1 * floats[1].abs().max()  # a rounding, not another model

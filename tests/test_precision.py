@@ -204,6 +204,8 @@ def test_int8_chat_keeps_integer_products_for_generated_tokens_only_where_they_q
     if on:  # all on integer products, or all but the down projection where all of them fell short
         assert entry["agreement"] >= MIN_AGREEMENT and entry["qualifies"]
         assert decoder._c_layers.integer_down == entry["integer_down"]
+        assert decoder._c_layers.kernels[2] == list(native.INT8_KERNELS).index(
+            "i8dot" if entry["integer_down"] else "i16dot")
         if not entry["integer_down"]:
             assert entry["integer_dot_agreement"] < MIN_AGREEMENT
     else:
@@ -250,6 +252,7 @@ def test_an_auto_choice_with_integer_products_reaches_the_lane(smollm, monkeypat
         decoder = engine._lanes["smollm2-135m-instruct"].decoder
         assert decoder._c_layers.kernels[1] == list(native.INT8_KERNELS).index("i8dot")
         assert decoder._c_layers.integer_down == down
+        assert decoder._head_kernels == (native.int8_kernel(), "i16dot")  # the output layer's generated rows
     finally:
         engine.shutdown()
         if kept is None:

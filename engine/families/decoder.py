@@ -15,6 +15,7 @@ attention scale, soft-capping, a scaled embedding.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -129,14 +130,20 @@ class DecoderOnly(BatchedDecoder):
             layer.rope == SINGLE and layer.qk_norm is None and layer.attn_out_norm is None
             and layer.ffn_out_norm is None for layer in self.layers)
         self._c_layers = native.DecoderLayers(self) if self.layers_in_c else None
+        self._head_kernels: tuple[str, str] | None = None  # the output layer's (prompt, generated) rows' kernels
         self.allocate(width)
 
     def use_integer_dot(self, on: bool = True, down: bool = True) -> bool:
         """int8 on CPU: run generated tokens' rows through the layers on the integer kernel (activations
-        rounded to int8: faster at a few rows, a little less exact; prompt rows and the output layer keep
-        the float kernel), or not; ``down`` False keeps the MLP's down projection on the float kernel too.
+        rounded to int8: faster at a few rows, a little less exact; prompt rows keep the float kernel), and
+        the output layer's rows on the 16-bit integer kernel (activations rounded to int16: as fast, and as
+        good as float here), or not; ``down`` False runs the MLP's down projection on the 16-bit kernel too.
         Whether it now runs so (False where the layer loop is not in C)."""
-        return self._c_layers.integer_dot(on, down) if self._c_layers is not None else False
+        running = self._c_layers.integer_dot(on, down) if self._c_layers is not None else False
+        self._head_kernels = None
+        if running and self.lm_head.native and not os.environ.get("CADENCE_INT8_KERNEL"):
+            self._head_kernels = (native.int8_kernel(), "i16dot")
+        return running
 
     # ------------------------------------------------------------------ hooks (a family changes these)
     def _layer(self, i: int, layer, prep: WeightPrep) -> Layer:
@@ -277,7 +284,12 @@ class DecoderOnly(BatchedDecoder):
         if logit_rows is not None:
             x = x[logit_rows]
         hidden = self._norm(x, self.norm)
-        logits = self.lm_head(hidden).float()
+        if self._head_kernels is not None and batch.generated is not None:
+            generated = batch.generated if logit_rows is None else batch.generated[logit_rows]
+            logits = native.int8_linear_by_kind(hidden.float().contiguous(), self.lm_head.q, self.lm_head.scale,
+                                                self.lm_head.bias, generated.contiguous(), self._head_kernels)
+        else:
+            logits = self.lm_head(hidden).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return (logits, hidden) if with_hidden else logits

@@ -14,6 +14,8 @@ void cadence_int8_linear16(const float *x, long rows, long in, const int8_t *q, 
                            const float *bias, long out, float *y);
 void cadence_int8_linear_int8_dot(const float *x, long rows, long in, const int8_t *q, const float *scale,
                                   const float *bias, long out, float *y);
+void cadence_int8_linear_int16_dot(const float *x, long rows, long in, const int8_t *q, const float *scale,
+                                   const float *bias, long out, float *y);
 void cadence_add_rms_norm(const float *x, const float *h, long rows, long d, const float *w, float eps,
                           float *sum, float *y);
 void cadence_rotary(float *x, long rows, long stride, long heads, long dim, const float *cos_table,
@@ -27,7 +29,10 @@ void cadence_silu_mul(const float *gate_up, long rows, long f, long stride, floa
 typedef void (*int8_linear_fn)(const float *, long, long, const int8_t *, const float *, const float *, long, float *);
 
 static int8_linear_fn kernel_of(int kernel) {
-    return kernel == 2 ? cadence_int8_linear_int8_dot : kernel == 1 ? cadence_int8_linear16 : cadence_int8_linear;
+    return kernel == 3   ? cadence_int8_linear_int16_dot
+           : kernel == 2 ? cadence_int8_linear_int8_dot
+           : kernel == 1 ? cadence_int8_linear16
+                         : cadence_int8_linear;
 }
 
 /* The product over every row, each run of rows of one kind (generated[r]: 1 for a generated token's row,
@@ -58,10 +63,11 @@ long cadence_decoder_layers_work(long rows, long d, long heads, long kv_heads, l
 }
 
 /* x [rows, d]: the residual stream entering layer 0, `normed` [rows, d] its input norm; on return x
- * holds the stream after the last layer (before the final norm). Kernels: 0, 1, 2 for the 8-lane,
- * 16-lane and integer int8 kernels, one for prompt rows and one for generated rows (as
- * cadence_int8_linear_by_kind), and one for generated rows in the MLP's down projection (whose
- * inputs, SiLU(gate) * up, carry the outliers that rounding activations to int8 loses most on);
+ * holds the stream after the last layer (before the final norm). Kernels: 0, 1, 2, 3 for the 8-lane,
+ * 16-lane, int8-integer and int16-integer kernels (engine.native.INT8_KERNELS), one for prompt rows
+ * and one for generated rows (as cadence_int8_linear_by_kind), and one for generated rows in the MLP's
+ * down projection (whose inputs, SiLU(gate) * up, carry the outliers that rounding activations to int8
+ * loses most on);
  * windows[i]: layer i's sliding window (0: none); the cache strides as in cadence_attend; work:
  * cadence_decoder_layers_work floats. */
 void cadence_decoder_layers(void *const *layers, long n_layers, const long *windows, long rows, long d, long heads,

@@ -292,3 +292,112 @@ void cadence_int8_linear_int8_dot(const float *x, long rows, long in, const int8
     cadence_int8_linear(x, rows, in, q, scale, bias, out, y);
 }
 #endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* The same weights against activations rounded to int16 (per 32 inputs, scaled by the group's largest
+ * magnitude to [-32767, 32767], rounded to nearest even): 256 times finer than int8, so its results stay as
+ * close to float32's as the float kernels' (the weights' own rounding dominates), while a group's products
+ * are still exact integers (each 16-bit pair product-summed into 32 bits, at most 32 * 127 * 32767 < 2^24,
+ * so exact in float too) and no weight is converted to float: for the products whose inputs rounding to int8
+ * harms (the MLP's down projection, the output layer). Per (row, output): group by group in order, then the
+ * 8 lanes in a fixed order, each row alone, so batched decoding still equals serial. */
+static void quantize_rows16(const float *x, long rows, long in, int16_t *q, float *d) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (long g = 0; g < rows * (in / GROUP); g++) {
+        const float *xg = x + g * GROUP;
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            v[k] = _mm256_loadu_ps(xg + 8 * k);
+            m = _mm256_max_ps(m, _mm256_and_ps(v[k], magnitude));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        d[g] = amax / 32767.0f;
+        const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+        for (int k = 0; k < 4; k += 2) {
+            const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inverse));
+            const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[k + 1], inverse));
+            /* packs interleaves 128-bit halves: a0-3 b0-3 a4-7 b4-7; the permute puts them back in order */
+            _mm256_storeu_si256((__m256i *)(q + g * GROUP + 8 * k),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+        }
+    }
+}
+
+#define DEFINE_WTILE(OB, RB)                                                                             \
+    static void wtile_##OB##_##RB(const int8_t *w, const float *sw, const int16_t *x, const float *sx,    \
+                                  long in, float *y, long ldy) {                                          \
+        const long groups = in / GROUP;                                                                   \
+        __m256 acc[OB][RB];                                                                               \
+        _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++)                                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) acc[c][r] = _mm256_setzero_ps();         \
+        for (long g = 0; g < groups; g++) {                                                               \
+            _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++) {                                        \
+                const int8_t *wg = w + c * in + g * GROUP;                                                \
+                _mm_prefetch((const char *)(wg + QPREFETCH), _MM_HINT_T0);                                \
+                const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wg));            \
+                const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wg + 16)));     \
+                _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) {                                    \
+                    const int16_t *xg = x + r * in + g * GROUP;                                           \
+                    const __m256i sum = _mm256_add_epi32(                                                 \
+                        _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xg)),                   \
+                        _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xg + 16))));           \
+                    acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),                                  \
+                                                _mm256_set1_ps(sw[c * groups + g] * sx[r * groups + g]), acc[c][r]); \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+        _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++)                                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) y[r * ldy + c] = hsum(acc[c][r]);       \
+    }
+DEFINE_WTILE(4, 1) DEFINE_WTILE(4, 2) DEFINE_WTILE(2, 3) DEFINE_WTILE(2, 4)
+DEFINE_WTILE(1, 1) DEFINE_WTILE(1, 2) DEFINE_WTILE(1, 3) DEFINE_WTILE(1, 4)
+
+#define WSHAPE(RB, OB)                                                                                   \
+    case RB:                                                                                             \
+        for (; c + OB <= n_out; c += OB) wtile_##OB##_##RB(w + c * in, sw + c * groups, xr, sxr, in, yr + c, ldy); \
+        for (; c < n_out; c++) wtile_1_##RB(w + c * in, sw + c * groups, xr, sxr, in, yr + c, ldy);      \
+        break;
+
+static void wdot_rows(const int8_t *w, const float *sw, long n_out, const int16_t *x, const float *sx, long rows,
+                      long in, float *y, long ldy) {
+    const long groups = in / GROUP;
+    for (long r0 = 0; r0 < rows; r0 += 4) {
+        const int n = rows - r0 < 4 ? (int)(rows - r0) : 4;
+        const int16_t *xr = x + r0 * in;
+        const float *sxr = sx + r0 * groups;
+        float *yr = y + r0 * ldy;
+        long c = 0;
+        switch (n) { WSHAPE(1, 4) WSHAPE(2, 4) WSHAPE(3, 2) WSHAPE(4, 2) }
+    }
+}
+
+/* As cadence_int8_linear, with the activations rounded to int16 as above. */
+void cadence_int8_linear_int16_dot(const float *x, long rows, long in, const int8_t *q, const float *scale,
+                                   const float *bias, long out, float *y) {
+    const long groups = in / GROUP;
+#pragma omp parallel
+    {
+        static __thread int16_t xq[QROWS * MAX_IN] __attribute__((aligned(64)));
+        static __thread float xs[QROWS * MAX_IN / GROUP];
+        for (long r0 = 0; r0 < rows; r0 += QROWS) {
+            const long n = rows - r0 < QROWS ? rows - r0 : QROWS;
+            quantize_rows16(x + r0 * in, n, in, xq, xs);
+#pragma omp for schedule(static) nowait
+            for (long o0 = 0; o0 < out; o0 += OUT_CHUNK) {
+                const long n_out = o0 + OUT_CHUNK < out ? OUT_CHUNK : out - o0;
+                wdot_rows(q + o0 * in, scale + o0 * groups, n_out, xq, xs, n, in, y + r0 * out + o0, out);
+                if (bias)
+                    for (long r = r0; r < r0 + n; r++)
+                        for (long o = o0; o < o0 + n_out; o++) y[r * out + o] += bias[o];
+            }
+        }
+    }
+}
+#else
+void cadence_int8_linear_int16_dot(const float *x, long rows, long in, const int8_t *q, const float *scale,
+                                   const float *bias, long out, float *y) {
+    cadence_int8_linear(x, rows, in, q, scale, bias, out, y);
+}
+#endif
