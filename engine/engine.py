@@ -193,10 +193,12 @@ class Engine:
             decoder = Decoder(loaded, precision=precision)
             # int8 chat: generated tokens on integer products where auto measured that and it qualified
             entry = choice.candidates.get(precision, {}) if choice is not None else {}
-            down = entry.get("integer_down", True)
+            from engine.precision import INTEGER_WAYS
+
+            integer = INTEGER_WAYS.get(entry.get("integer_way", ""))
             way = ""
-            if entry.get("integer_dot") and decoder.use_integer_dot(True, down=down):
-                way = "-integer-dot" + ("" if down else "-but-down")
+            if entry.get("integer_dot") and integer and decoder.use_integer_dot(True, *integer):
+                way = "-integer-" + entry["integer_way"].replace(" ", "-")  # its width calibration is its own
             asked = self.context if isinstance(self.context, int) and loaded.family == CHAT else None
             if asked:  # the width's memory bound is reckoned at the length asked for
                 decoder.max_len = min(decoder.context_limit, asked)

@@ -40,7 +40,7 @@ from engine.filelock import held
 from engine.paths import cache_dir
 from engine.seam import StepBatch
 
-CHOICE_VERSION = 10  # 2: Whisper's encoder memory kept in bfloat16 (its speed and words changed); 3: a longer check clip; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8 with float32 activations on bfloat16 CPUs too, 16 lanes where AVX-512 wins; 8: int8 chat may run generated tokens on integer products (engine.native); 9: or all but the MLP's down projection; 10: the output layer's generated rows, and the down projection's where int8 rounding fell short, on 16-bit integer products
+CHOICE_VERSION = 10  # 2: Whisper's encoder memory kept in bfloat16 (its speed and words changed); 3: a longer check clip; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8 with float32 activations on bfloat16 CPUs too, 16 lanes where AVX-512 wins; 8: int8 chat may run generated tokens on integer products (engine.native); 9: or all but the MLP's down projection; 10: 16-bit integer products (the output layer's generated rows; the down projection's, or all), the fastest way that qualifies
 MIN_AGREEMENT = 0.97  # chat: share of positions whose top-1 token equals float32's
 MAX_WER_RISE = 0.005  # Whisper: word error rate at most this much above float32's (0.5 points)
 CHECK_TOKENS = 48  # chat: greedy tokens per check prompt
@@ -116,25 +116,35 @@ def chat_agreement(candidate, prompts: list[list[int]], answers: list[list[int]]
     return sum(p == e for p, e in zip(picks, expected)) / max(len(expected), 1)
 
 
+# int8 chat's ways of running generated tokens on integer products: name -> (use_integer_dot's down, bits)
+INTEGER_WAYS = {
+    "8-bit": (True, 8),
+    "8-bit but the down projection": (False, 8),  # its inputs' outliers on 16-bit products
+    "16-bit": (True, 16),
+}
+
+
 def _chat_entry(decoder, precision: str, prompts: list[list[int]], answers: list[list[int]]) -> dict:
-    """A chat candidate's quality and speed. int8 first tries generated tokens on the integer kernel
-    (where the decoder has it) and keeps it only if that qualifies; else it measures int8 without."""
+    """A chat candidate's quality and speed. int8 tries generated tokens on each way of integer
+    products (where the decoder has them, INTEGER_WAYS) and keeps the fastest that qualifies; where
+    none does, it measures int8 without them. ``integer_agreements`` records every way's agreement."""
     if precision == "float32":
         return {"agreement": 1.0, "qualifies": True, **chat_speed(decoder)}
     integer = {}
     if precision == "int8" and decoder.use_integer_dot(True):
-        quality = chat_agreement(decoder, prompts, answers)
-        if quality >= MIN_AGREEMENT:
-            return {"agreement": round(quality, 4), "qualifies": True, "integer_dot": True, "integer_down": True,
-                    **chat_speed(decoder)}
-        integer = {"integer_dot_agreement": round(quality, 4)}
-        decoder.use_integer_dot(True, down=False)  # the down projection's outliers on 16-bit integer products
-        without_down = chat_agreement(decoder, prompts, answers)
-        if without_down >= MIN_AGREEMENT:
-            return {"agreement": round(without_down, 4), "qualifies": True, "integer_dot": True,
-                    "integer_down": False, **integer, **chat_speed(decoder)}
+        best, agreements = None, {}
+        for way, (down, bits) in INTEGER_WAYS.items():
+            decoder.use_integer_dot(True, down=down, bits=bits)
+            quality = agreements[way] = round(chat_agreement(decoder, prompts, answers), 4)
+            if quality >= MIN_AGREEMENT:
+                entry = {"agreement": quality, "qualifies": True, "integer_dot": True, "integer_way": way,
+                         **chat_speed(decoder)}
+                best = entry if best is None or entry["score"] > best["score"] else best
+        if best is not None:
+            decoder.use_integer_dot(True, *INTEGER_WAYS[best["integer_way"]])
+            return {**best, "integer_agreements": agreements}
         decoder.use_integer_dot(False)
-        integer.update(integer_dot=False, integer_dot_agreement_without_down=round(without_down, 4))
+        integer = {"integer_dot": False, "integer_agreements": agreements}
     quality = chat_agreement(decoder, prompts, answers)
     return {"agreement": round(quality, 4), "qualifies": quality >= MIN_AGREEMENT, **integer, **chat_speed(decoder)}
 
@@ -281,20 +291,15 @@ def _why(choice: PrecisionChoice, chat: bool) -> str:
     base = choice.candidates["float32"]
     speed = (f"{best['tok_s'][1]:.0f} tok/s alone, {best['tok_s'][8]:.0f} at width 8" if chat
              else f"{best['window_ms']:.0f} ms a 30-s window")
-    way = ""
-    if best.get("integer_dot"):
-        way = " (generated tokens on integer products" + (
-            "" if best.get("integer_down", True) else
-            f", the MLP's down projection on 16-bit ones: all on 8-bit ones agreed "
-            f"{best['integer_dot_agreement']:.1%} < {MIN_AGREEMENT:.0%}") + ")"
+    way = f" (generated tokens on {best['integer_way']} integer products)" if best.get("integer_dot") else ""
     parts = [f"{choice.chosen}{way}: the fastest within quality bounds ({speed}"
              + (f", {best['score'] / base['score']:.2f}x float32)" if choice.chosen != "float32" else ")")]
     for precision, entry in choice.candidates.items():
-        if entry.get("integer_dot") is False:
-            parts.append(f"{precision}'s integer products left out (top-1 agreement "
-                         f"{entry['integer_dot_agreement']:.1%}, "
-                         f"{entry['integer_dot_agreement_without_down']:.1%} with the down projection on "
-                         f"16-bit ones; < {MIN_AGREEMENT:.0%})")
+        short = {way: a for way, a in entry.get("integer_agreements", {}).items() if a < MIN_AGREEMENT}
+        if short:
+            parts.append(f"{precision} with " + ", ".join(f"{way} integer products (top-1 agreement {a:.1%})"
+                                                          for way, a in short.items())
+                         + f" left out (< {MIN_AGREEMENT:.0%})")
         if not entry["qualifies"]:
             measure = (f"top-1 agreement {entry['agreement']:.1%} < {MIN_AGREEMENT:.0%}" if chat
                        else f"word error rate {entry['wer']:.1%} vs {base['wer']:.1%}")

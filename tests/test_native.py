@@ -370,10 +370,16 @@ def test_generated_rows_may_run_the_down_projection_on_16_bit_products(smollm, m
         return first[-1], decoder.forward(StepBatch.build([0], [[42]], [5], prompt_lengths=[5]))[0]
 
     floats, integers, but_down = logits(False), logits(True, True), logits(True, False)
-    sixteen = list(native.INT8_KERNELS).index("i16dot")
-    assert decoder.use_integer_dot(True, down=False) and not decoder._c_layers.integer_down
-    assert decoder._c_layers.kernels[2] == sixteen and decoder._head_kernels[1] == "i16dot"
-    assert decoder.use_integer_dot(True) and decoder._c_layers.integer_down and decoder._head_kernels[1] == "i16dot"
+    assert decoder.use_integer_dot(True, down=False) and decoder._c_layers.generated_kernels == ("i8dot", "i16dot")
+    assert decoder._head_kernels[1] == "i16dot"
+    assert decoder.use_integer_dot(True) and decoder._c_layers.generated_kernels == ("i8dot", "i8dot")
+    assert decoder._head_kernels[1] == "i16dot"
+    assert decoder.use_integer_dot(True, bits=16) and decoder._c_layers.generated_kernels == ("i16dot", "i16dot")
+    sixteen = logits(True, True, 16)
+    assert torch.equal(sixteen[0], floats[0])  # prompt rows alike here too
+    assert not torch.equal(sixteen[1], but_down[1]) and not torch.equal(sixteen[1], floats[1])
+    # 16-bit activations: next to float products (the bound 8-bit ones are held to, a hundred times tighter)
+    assert (sixteen[1] - floats[1]).abs().max() < 0.001 * floats[1].abs().max()
     assert not decoder.use_integer_dot(False) and decoder._head_kernels is None
     assert torch.equal(floats[0], integers[0]) and torch.equal(floats[0], but_down[0])  # prompt rows alike
     assert not torch.equal(but_down[1], floats[1]) and not torch.equal(but_down[1], integers[1])

@@ -186,12 +186,12 @@ def test_a_choice_measured_while_the_machine_got_busy_serves_but_is_not_kept(tin
 
 
 def test_int8_chat_keeps_integer_products_for_generated_tokens_only_where_they_qualify(smollm):
-    """auto's int8 chat candidate tries generated tokens on the integer kernel first (where the CPU has
-    it) and keeps it only at 97% top-1 agreement with float32; the entry says which it measured."""
+    """auto's int8 chat candidate tries generated tokens on each way of integer products (where the CPU
+    has them) and keeps the fastest at 97% top-1 agreement with float32; the entry says what it measured."""
     from engine import native
     from engine.chat.reference import ChatReference, build_messages
     from engine.families.llama import LlamaBatched
-    from engine.precision import MIN_AGREEMENT, _chat_entry, _greedy
+    from engine.precision import INTEGER_WAYS, MIN_AGREEMENT, _chat_entry, _greedy
 
     reference = ChatReference(smollm)
     prompts = [reference.prompt_ids(build_messages(p)) for p in PROMPTS[:3]]
@@ -199,40 +199,41 @@ def test_int8_chat_keeps_integer_products_for_generated_tokens_only_where_they_q
     decoder = LlamaBatched(smollm, precision="int8")
     entry = _chat_entry(decoder, "int8", prompts, answers)
     assert "i8dot" in native.int8_kernels_here() and "integer_dot" in entry  # every AVX2 CPU has it
-    on = decoder._c_layers.kernels[1] == list(native.INT8_KERNELS).index("i8dot")
-    assert on == entry["integer_dot"]
-    if on:  # all on integer products, or all but the down projection where all of them fell short
-        assert entry["agreement"] >= MIN_AGREEMENT and entry["qualifies"]
-        assert decoder._c_layers.integer_down == entry["integer_down"]
-        assert decoder._c_layers.kernels[2] == list(native.INT8_KERNELS).index(
-            "i8dot" if entry["integer_down"] else "i16dot")
-        if not entry["integer_down"]:
-            assert entry["integer_dot_agreement"] < MIN_AGREEMENT
+    agreements = entry["integer_agreements"]
+    assert set(agreements) == set(INTEGER_WAYS)
+    # 16-bit activations round 256 times finer than 8-bit ones: at least as close to float32
+    assert agreements["16-bit"] >= agreements["8-bit"]
+    qualified = [way for way, a in agreements.items() if a >= MIN_AGREEMENT]
+    assert entry["integer_dot"] == bool(qualified)
+    if qualified:  # the lane runs the way recorded, which qualified
+        way = entry["integer_way"]
+        assert way in qualified and entry["agreement"] == agreements[way] and entry["qualifies"]
+        down, bits = INTEGER_WAYS[way]
+        first = "i8dot" if bits == 8 else "i16dot"
+        assert decoder._c_layers.generated_kernels == (first, first if down else "i16dot")
     else:
-        assert entry["integer_dot_agreement"] < MIN_AGREEMENT
-        assert entry["integer_dot_agreement_without_down"] < MIN_AGREEMENT
+        assert decoder._c_layers.generated_kernels[0] not in ("i8dot", "i16dot")
     assert entry["tok_s"][1] > 0 and entry["tok_s"][8] > 0
-    # Greedy answers with generated tokens on integer products (all, or all but the down projection):
-    # each prompt alone equals all at once.
-    for down in (True, False):
-        decoder.use_integer_dot(True, down=down)
+    # Greedy answers with generated tokens on each way of integer products: each prompt alone equals all at once.
+    for down, bits in INTEGER_WAYS.values():
+        decoder.use_integer_dot(True, down=down, bits=bits)
         together = _greedy(decoder, prompts, 12)
-        assert together == [_greedy(decoder, [p], 12)[0] for p in prompts], down
+        assert together == [_greedy(decoder, [p], 12)[0] for p in prompts], (down, bits)
 
 
-@pytest.mark.parametrize("down", [True, False])
-def test_an_auto_choice_with_integer_products_reaches_the_lane(smollm, monkeypatch, down):
+@pytest.mark.parametrize("way", ["8-bit but the down projection", "16-bit"])
+def test_an_auto_choice_with_integer_products_reaches_the_lane(smollm, monkeypatch, way):
     """The engine runs what auto recorded: an int8 choice whose entry has integer_dot gets a lane whose
-    generated rows run on the integer kernel (the down projection too, or not, as recorded), and its
-    status says so."""
+    generated rows run on the integer kernels of the way recorded, and its status says so."""
     from engine import native
     from engine.calibration import device_identity
     from engine.loading import source_key
     from engine.precision import PrecisionChoice, _cache_file
 
     monkeypatch.delenv("CADENCE_INT8_KERNEL", raising=False)
-    entry = {"agreement": 0.98, "qualifies": True, "integer_dot": True, "integer_down": down,
-             "integer_dot_agreement": 0.98 if down else 0.96, "tok_s": {"1": 100.0, "8": 300.0},
+    entry = {"agreement": 0.98, "qualifies": True, "integer_dot": True, "integer_way": way,
+             "integer_agreements": {"8-bit": 0.96, "8-bit but the down projection": 0.975, "16-bit": 0.98},
+             "tok_s": {"1": 100.0, "8": 300.0},
              "step_ms": {"1": 10.0, "8": 26.0}, "score": 3.0}
     float32 = {"agreement": 1.0, "qualifies": True, "tok_s": {"1": 20.0, "8": 100.0}, "step_ms": {"1": 50.0, "8": 80.0},
                "score": 1.0}
@@ -250,8 +251,7 @@ def test_an_auto_choice_with_integer_products_reaches_the_lane(smollm, monkeypat
         lane = engine.status()["lanes"]["smollm2-135m-instruct"]
         assert lane["precision"] == "int8" and lane["precision_why"] == choice.why
         decoder = engine._lanes["smollm2-135m-instruct"].decoder
-        assert decoder._c_layers.kernels[1] == list(native.INT8_KERNELS).index("i8dot")
-        assert decoder._c_layers.integer_down == down
+        assert decoder._c_layers.generated_kernels == (("i8dot", "i16dot") if way.startswith("8") else ("i16dot", "i16dot"))
         assert decoder._head_kernels == (native.int8_kernel(), "i16dot")  # the output layer's generated rows
     finally:
         engine.shutdown()

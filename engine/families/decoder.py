@@ -133,13 +133,13 @@ class DecoderOnly(BatchedDecoder):
         self._head_kernels: tuple[str, str] | None = None  # the output layer's (prompt, generated) rows' kernels
         self.allocate(width)
 
-    def use_integer_dot(self, on: bool = True, down: bool = True) -> bool:
-        """int8 on CPU: run generated tokens' rows through the layers on the integer kernel (activations
-        rounded to int8: faster at a few rows, a little less exact; prompt rows keep the float kernel), and
-        the output layer's rows on the 16-bit integer kernel (activations rounded to int16: as fast, and as
-        good as float here), or not; ``down`` False runs the MLP's down projection on the 16-bit kernel too.
+    def use_integer_dot(self, on: bool = True, down: bool = True, bits: int = 8) -> bool:
+        """int8 on CPU: run generated tokens' rows through the layers on an integer kernel (activations
+        rounded to int8, ``bits`` 8, or int16, 16: faster at a few rows, int8 a little less exact; prompt
+        rows keep the float kernel), and the output layer's generated rows on the 16-bit one, or not;
+        ``down`` False runs the MLP's down projection on the 16-bit kernel whatever ``bits`` says.
         Whether it now runs so (False where the layer loop is not in C)."""
-        running = self._c_layers.integer_dot(on, down) if self._c_layers is not None else False
+        running = self._c_layers.integer_dot(on, down, bits) if self._c_layers is not None else False
         self._head_kernels = None
         if running and self.lm_head.native and not os.environ.get("CADENCE_INT8_KERNEL"):
             self._head_kernels = (native.int8_kernel(), "i16dot")

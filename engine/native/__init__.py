@@ -384,22 +384,25 @@ class DecoderLayers:
             x.data_ptr(), normed.data_ptr(), work.data_ptr())
         return x
 
-    def integer_dot(self, on: bool, down: bool = True) -> bool:
-        """Run generated tokens' rows on the integer kernel (on) or on the prompt rows' kernel; whether
-        they now run on it. ``down`` False runs the MLP's down projection on the 16-bit integer kernel
-        instead (its inputs carry the outliers that rounding to int8 loses most on; rounding to int16
-        loses next to nothing, at the same speed). Where ``CADENCE_INT8_KERNEL`` names the kernels, those stay."""
+    def integer_dot(self, on: bool, down: bool = True, bits: int = 8) -> bool:
+        """Run generated tokens' rows on an integer kernel (on) or on the prompt rows' kernel; whether they
+        now run on one. ``bits``: 8 rounds their activations to int8 (i8dot), 16 to int16 (i16dot: about as
+        fast, and next to float's results); ``down`` False runs the MLP's down projection on i16dot whatever
+        ``bits`` says (its inputs carry the outliers that rounding to int8 loses most on). Where
+        ``CADENCE_INT8_KERNEL`` names the kernels, those stay."""
         here = int8_kernels_here()
-        integer, fine = list(INT8_KERNELS).index("i8dot"), list(INT8_KERNELS).index("i16dot")
+        names = list(INT8_KERNELS)
         if not os.environ.get("CADENCE_INT8_KERNEL") and "i8dot" in here:
-            self.kernels[1] = integer if on else self.kernels[0]
-            self.kernels[2] = (integer if down else fine) if on else self.kernels[0]
-        return self.kernels[1] == integer
+            first = names.index("i8dot" if bits == 8 else "i16dot")
+            self.kernels[1] = first if on else self.kernels[0]
+            self.kernels[2] = (first if down else names.index("i16dot")) if on else self.kernels[0]
+        return names[self.kernels[1]] in ("i8dot", "i16dot")
 
     @property
-    def integer_down(self) -> bool:
-        """Whether generated rows' down projections run on the integer kernel."""
-        return self.kernels[2] == list(INT8_KERNELS).index("i8dot")
+    def generated_kernels(self) -> tuple[str, str]:
+        """The kernels generated rows run on: (in every product but the down projection, in it)."""
+        names = list(INT8_KERNELS)
+        return names[self.kernels[1]], names[self.kernels[2]]
 
 
 def _pointer(tensor):
