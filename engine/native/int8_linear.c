@@ -180,19 +180,24 @@ void cadence_int8_linear16(const float *x, long rows, long in, const int8_t *q, 
  * a row's rounding and sums never depend on its batch mates, so batched decoding still equals serial. */
 #define QROWS 16 /* rows a thread rounds at a time (its own copy: no thread waits for another) */
 
-static void quantize_rows(const float *x, long rows, long in, int8_t *q, float *d) {
+/* A group's 32 inputs into v, and their largest magnitude. */
+static inline float load_group(const float *xg, __m256 v[4]) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_loadu_ps(xg + 8 * k);
+        m = _mm256_max_ps(m, _mm256_and_ps(v[k], magnitude));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+static void quantize_rows(const float *x, long rows, long in, int8_t *q, float *d) {
     const __m256i unpack = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes the packs' lane interleave */
     for (long g = 0; g < rows * (in / GROUP); g++) {
-        const float *xg = x + g * GROUP;
-        __m256 v[4], m = _mm256_setzero_ps();
-        for (int k = 0; k < 4; k++) {
-            v[k] = _mm256_loadu_ps(xg + 8 * k);
-            m = _mm256_max_ps(m, _mm256_and_ps(v[k], magnitude));
-        }
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        __m256 v[4];
+        const float amax = load_group(x + g * GROUP, v);
         d[g] = amax / 127.0f;
         const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
         __m256i i[4];
@@ -241,49 +246,58 @@ static inline __m256 dot_group(__m256i w, __m256i x) { /* 8 lanes of 4 products 
 DEFINE_QTILE(4, 1) DEFINE_QTILE(4, 2) DEFINE_QTILE(2, 3) DEFINE_QTILE(2, 4)
 DEFINE_QTILE(1, 1) DEFINE_QTILE(1, 2) DEFINE_QTILE(1, 3) DEFINE_QTILE(1, 4)
 
-#define QSHAPE(RB, OB)                                                                                   \
+#define QSHAPE(PREFIX, RB, OB)                                                                           \
     case RB:                                                                                             \
-        for (; c + OB <= n_out; c += OB) qtile_##OB##_##RB(w + c * in, sw + c * groups, xr, sxr, in, yr + c, ldy); \
-        for (; c < n_out; c++) qtile_1_##RB(w + c * in, sw + c * groups, xr, sxr, in, yr + c, ldy);      \
+        for (; c + OB <= n_out; c += OB) PREFIX##_##OB##_##RB(w + c * in, sw + c * groups, xr, sxr, in, yr + c, ldy); \
+        for (; c < n_out; c++) PREFIX##_1_##RB(w + c * in, sw + c * groups, xr, sxr, in, yr + c, ldy);  \
         break;
 
-static void qdot_rows(const int8_t *w, const float *sw, long n_out, const int8_t *x, const float *sx, long rows,
-                      long in, float *y, long ldy) {
-    const long groups = in / GROUP;
-    for (long r0 = 0; r0 < rows; r0 += 4) {
-        const int n = rows - r0 < 4 ? (int)(rows - r0) : 4;
-        const int8_t *xr = x + r0 * in;
-        const float *sxr = sx + r0 * groups;
-        float *yr = y + r0 * ldy;
-        long c = 0;
-        switch (n) { QSHAPE(1, 4) QSHAPE(2, 4) QSHAPE(3, 2) QSHAPE(4, 2) }
+/* NAME: n_out outputs' int8 weights against `rows` rounded rows of element type T, 4 rows at a time, in
+ * the tiles PREFIX_OB_RB (4, 4, 2, 2 outputs for 1..4 rows). */
+#define DEFINE_QDOT_ROWS(NAME, PREFIX, T)                                                                \
+    static void NAME(const int8_t *w, const float *sw, long n_out, const T *x, const float *sx, long rows, \
+                     long in, float *y, long ldy) {                                                      \
+        const long groups = in / GROUP;                                                                  \
+        for (long r0 = 0; r0 < rows; r0 += 4) {                                                          \
+            const int n = rows - r0 < 4 ? (int)(rows - r0) : 4;                                          \
+            const T *xr = x + r0 * in;                                                                   \
+            const float *sxr = sx + r0 * groups;                                                         \
+            float *yr = y + r0 * ldy;                                                                    \
+            long c = 0;                                                                                  \
+            switch (n) { QSHAPE(PREFIX, 1, 4) QSHAPE(PREFIX, 2, 4) QSHAPE(PREFIX, 3, 2) QSHAPE(PREFIX, 4, 2) } \
+        }                                                                                                \
     }
-}
+
+/* NAME: as cadence_int8_linear, with each thread rounding QROWS rows at a time to T by QUANTIZE (its own
+ * copy: no thread waits for another), then DOT_ROWS over its share of the outputs. */
+#define DEFINE_INTEGER_LINEAR(NAME, T, QUANTIZE, DOT_ROWS)                                               \
+    void NAME(const float *x, long rows, long in, const int8_t *q, const float *scale, const float *bias, \
+              long out, float *y) {                                                                      \
+        const long groups = in / GROUP;                                                                  \
+        _Pragma("omp parallel") {                                                                        \
+            static __thread T xq[QROWS * MAX_IN] __attribute__((aligned(64)));                           \
+            static __thread float xs[QROWS * MAX_IN / GROUP];                                            \
+            for (long r0 = 0; r0 < rows; r0 += QROWS) {                                                  \
+                const long n = rows - r0 < QROWS ? rows - r0 : QROWS;                                    \
+                QUANTIZE(x + r0 * in, n, in, xq, xs);                                                    \
+                _Pragma("omp for schedule(static) nowait")                                               \
+                for (long o0 = 0; o0 < out; o0 += OUT_CHUNK) {                                           \
+                    const long n_out = o0 + OUT_CHUNK < out ? OUT_CHUNK : out - o0;                      \
+                    DOT_ROWS(q + o0 * in, scale + o0 * groups, n_out, xq, xs, n, in, y + r0 * out + o0, out); \
+                    if (bias)                                                                            \
+                        for (long r = r0; r < r0 + n; r++)                                               \
+                            for (long o = o0; o < o0 + n_out; o++) y[r * out + o] += bias[o];            \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+    }
+
+DEFINE_QDOT_ROWS(qdot_rows, qtile, int8_t)
 
 int cadence_int8_has_int8_dot(void) { return 1; }
 
 /* As cadence_int8_linear, with the activations rounded to int8 as above. */
-void cadence_int8_linear_int8_dot(const float *x, long rows, long in, const int8_t *q, const float *scale,
-                                  const float *bias, long out, float *y) {
-    const long groups = in / GROUP;
-#pragma omp parallel
-    {
-        static __thread int8_t xq[QROWS * MAX_IN] __attribute__((aligned(64)));
-        static __thread float xs[QROWS * MAX_IN / GROUP];
-        for (long r0 = 0; r0 < rows; r0 += QROWS) {
-            const long n = rows - r0 < QROWS ? rows - r0 : QROWS;
-            quantize_rows(x + r0 * in, n, in, xq, xs);
-#pragma omp for schedule(static) nowait
-            for (long o0 = 0; o0 < out; o0 += OUT_CHUNK) {
-                const long n_out = o0 + OUT_CHUNK < out ? OUT_CHUNK : out - o0;
-                qdot_rows(q + o0 * in, scale + o0 * groups, n_out, xq, xs, n, in, y + r0 * out + o0, out);
-                if (bias)
-                    for (long r = r0; r < r0 + n; r++)
-                        for (long o = o0; o < o0 + n_out; o++) y[r * out + o] += bias[o];
-            }
-        }
-    }
-}
+DEFINE_INTEGER_LINEAR(cadence_int8_linear_int8_dot, int8_t, quantize_rows, qdot_rows)
 #else
 int cadence_int8_has_int8_dot(void) { return 0; }
 
@@ -302,17 +316,9 @@ void cadence_int8_linear_int8_dot(const float *x, long rows, long in, const int8
  * harms (the MLP's down projection, the output layer). Per (row, output): group by group in order, then the
  * 8 lanes in a fixed order, each row alone, so batched decoding still equals serial. */
 static void quantize_rows16(const float *x, long rows, long in, int16_t *q, float *d) {
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (long g = 0; g < rows * (in / GROUP); g++) {
-        const float *xg = x + g * GROUP;
-        __m256 v[4], m = _mm256_setzero_ps();
-        for (int k = 0; k < 4; k++) {
-            v[k] = _mm256_loadu_ps(xg + 8 * k);
-            m = _mm256_max_ps(m, _mm256_and_ps(v[k], magnitude));
-        }
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        __m256 v[4];
+        const float amax = load_group(x + g * GROUP, v);
         d[g] = amax / 32767.0f;
         const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
         for (int k = 0; k < 4; k += 2) {
@@ -354,47 +360,10 @@ static void quantize_rows16(const float *x, long rows, long in, int16_t *q, floa
 DEFINE_WTILE(4, 1) DEFINE_WTILE(4, 2) DEFINE_WTILE(2, 3) DEFINE_WTILE(2, 4)
 DEFINE_WTILE(1, 1) DEFINE_WTILE(1, 2) DEFINE_WTILE(1, 3) DEFINE_WTILE(1, 4)
 
-#define WSHAPE(RB, OB)                                                                                   \
-    case RB:                                                                                             \
-        for (; c + OB <= n_out; c += OB) wtile_##OB##_##RB(w + c * in, sw + c * groups, xr, sxr, in, yr + c, ldy); \
-        for (; c < n_out; c++) wtile_1_##RB(w + c * in, sw + c * groups, xr, sxr, in, yr + c, ldy);      \
-        break;
-
-static void wdot_rows(const int8_t *w, const float *sw, long n_out, const int16_t *x, const float *sx, long rows,
-                      long in, float *y, long ldy) {
-    const long groups = in / GROUP;
-    for (long r0 = 0; r0 < rows; r0 += 4) {
-        const int n = rows - r0 < 4 ? (int)(rows - r0) : 4;
-        const int16_t *xr = x + r0 * in;
-        const float *sxr = sx + r0 * groups;
-        float *yr = y + r0 * ldy;
-        long c = 0;
-        switch (n) { WSHAPE(1, 4) WSHAPE(2, 4) WSHAPE(3, 2) WSHAPE(4, 2) }
-    }
-}
+DEFINE_QDOT_ROWS(wdot_rows, wtile, int16_t)
 
 /* As cadence_int8_linear, with the activations rounded to int16 as above. */
-void cadence_int8_linear_int16_dot(const float *x, long rows, long in, const int8_t *q, const float *scale,
-                                   const float *bias, long out, float *y) {
-    const long groups = in / GROUP;
-#pragma omp parallel
-    {
-        static __thread int16_t xq[QROWS * MAX_IN] __attribute__((aligned(64)));
-        static __thread float xs[QROWS * MAX_IN / GROUP];
-        for (long r0 = 0; r0 < rows; r0 += QROWS) {
-            const long n = rows - r0 < QROWS ? rows - r0 : QROWS;
-            quantize_rows16(x + r0 * in, n, in, xq, xs);
-#pragma omp for schedule(static) nowait
-            for (long o0 = 0; o0 < out; o0 += OUT_CHUNK) {
-                const long n_out = o0 + OUT_CHUNK < out ? OUT_CHUNK : out - o0;
-                wdot_rows(q + o0 * in, scale + o0 * groups, n_out, xq, xs, n, in, y + r0 * out + o0, out);
-                if (bias)
-                    for (long r = r0; r < r0 + n; r++)
-                        for (long o = o0; o < o0 + n_out; o++) y[r * out + o] += bias[o];
-            }
-        }
-    }
-}
+DEFINE_INTEGER_LINEAR(cadence_int8_linear_int16_dot, int16_t, quantize_rows16, wdot_rows)
 #else
 void cadence_int8_linear_int16_dot(const float *x, long rows, long in, const int8_t *q, const float *scale,
                                    const float *bias, long out, float *y) {
