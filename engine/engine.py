@@ -97,7 +97,7 @@ class Engine:
         self._references: dict[str, object] = {}  # model -> its reference decoder (template, token rules)
         self._lanes: dict[str, object] = {}
         self._calibrations: dict[str, object] = {}
-        self._precisions: dict[str, tuple[str, object]] = {}  # model -> (precision, auto's PrecisionChoice or None)
+        self._precisions: dict[str, tuple[str, object, dict]] = {}  # model -> (precision, auto's choice or None, int8's way)
         self._contexts: dict[str, str] = {}  # model -> where its slot length comes from
         self._work: dict[int, list] = {}  # handle id -> its sequences
         # Audio files are read and planned on a thread of their own, so no slot waits for a file to decode.
@@ -189,13 +189,17 @@ class Engine:
 
                 choice = choose_precision(loaded, reference, lambda p: Decoder(loaded, precision=p), key)
                 precision = choice.chosen
-            self._precisions[model] = (precision, choice)
             decoder = Decoder(loaded, precision=precision)
-            # int8 chat: generated tokens on integer products where auto measured that and it qualified
-            entry = choice.candidates.get(precision, {}) if choice is not None else {}
-            from engine.precision import INTEGER_WAYS
+            # int8 chat: generated tokens on integer products where auto measured that and it qualified,
+            # or, int8 asked for by name, on the 16-bit ones where they are faster here
+            from engine.precision import INTEGER_WAYS, asked_int8_way
 
-            integer = INTEGER_WAYS.get(entry.get("integer_way", ""))
+            entry = choice.candidates.get(precision, {}) if choice is not None else {}
+            if choice is None and precision == "int8" and loaded.family == CHAT and not os.environ.get(
+                    "CADENCE_INT8_KERNEL"):  # (kernels asked for by name run as asked)
+                entry = asked_int8_way(decoder, key)
+            self._precisions[model] = (precision, choice, entry)
+            integer = INTEGER_WAYS.get(entry.get("integer_way") or "")
             way = ""
             if entry.get("integer_dot") and integer and decoder.use_integer_dot(True, *integer):
                 way = "-integer-" + entry["integer_way"].replace(" ", "-")  # its width calibration is its own
@@ -279,11 +283,21 @@ class Engine:
                 "context": self.context, "lanes": lanes}
 
     def _precision_status(self, model: str) -> dict:
-        precision, choice = self._precisions.get(model, (self.precision, None))
+        precision, choice, integer = self._precisions.get(model, (self.precision, None, {}))
+        why = f"{precision}, as {'asked' if self.precision_source == 'argument' else self.precision_source}"
+        if choice is None and "tok_s" in integer:  # int8 asked for by name: which way its generated tokens run
+            from engine.precision import ASKED_INT8_WAY
+
+            ran, other = ((integer["integer_way"], "float activations") if integer["integer_dot"]
+                          else ("float activations", ASKED_INT8_WAY))
+            name = {ASKED_INT8_WAY: f"{ASKED_INT8_WAY} integer products"}
+            alone, wide = integer["tok_s"][ran]
+            why += (f"; generated tokens on {name.get(ran, ran)}, the faster here ({alone:.0f} tok/s alone, {wide:.0f}"
+                    f" at width 8; {name.get(other, other)}: {integer['tok_s'][other][0]:.0f} and "
+                    f"{integer['tok_s'][other][1]:.0f})")
         return {"precision": precision,
                 "precision_from": "auto" if choice is not None else self.precision_source,
-                "precision_why": choice.why if choice is not None else
-                f"{precision}, as {'asked' if self.precision_source == 'argument' else self.precision_source}",
+                "precision_why": choice.why if choice is not None else why,
                 "precision_choice": choice.to_json() if choice is not None else None}
 
     def reference(self, model: str):

@@ -79,9 +79,9 @@ class PrecisionChoice:
         return asdict(self)
 
 
-def _cache_file(model_key: str, device: str) -> Path:
+def _cache_file(model_key: str, device: str, folder: str = "precision") -> Path:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{model_key}-{device}")
-    return cache_dir() / "precision" / f"v{CHOICE_VERSION}-torch{torch.__version__}-{safe}.json"
+    return cache_dir() / folder / f"v{CHOICE_VERSION}-torch{torch.__version__}-{safe}.json"
 
 
 # ---------------------------------------------------------------------------- chat
@@ -155,6 +155,38 @@ def chat_speed(decoder) -> dict:
     ms = {w: round(time_step(decoder, w), 3) for w in (1, 8)}
     tok_s = {w: round(w * 1000 / m, 1) for w, m in ms.items()}
     return {"step_ms": ms, "tok_s": tok_s, "score": round(math.sqrt(tok_s[1] * tok_s[8]), 2)}
+
+
+ASKED_INT8_WAY = "16-bit"  # int8 asked for by name: the way whose products stay as close as float activations'
+
+
+def asked_int8_way(decoder, model_key: str) -> dict:
+    """int8 chat asked for by name (not ``auto``): its generated tokens run on 16-bit integer products
+    where those are faster on this machine than float activations. Their products differ from float
+    activations' by about 5e-5 of a product (the 8-bit ways' by 1e-2, which is why only auto, with its
+    agreement check, may pick those). Timed once per model file and machine at widths 1 and 8, cached;
+    the entry says which way runs and the timings behind it. {} where the decoder has no integer kernels."""
+    from engine.calibration import device_identity
+
+    path = _cache_file(model_key, device_identity(decoder.device), folder="int8-asked")
+    with held(path):
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass  # not measured yet (or a damaged file): measured now
+        if not decoder.use_integer_dot(True, *INTEGER_WAYS[ASKED_INT8_WAY]):
+            return {}
+        integer = chat_speed(decoder)
+        decoder.use_integer_dot(False)
+        floats = chat_speed(decoder)
+        faster = integer["score"] > floats["score"]
+        entry = {"integer_dot": faster, "integer_way": ASKED_INT8_WAY if faster else None,
+                 "tok_s": {ASKED_INT8_WAY: [integer["tok_s"][1], integer["tok_s"][8]],  # alone, at width 8
+                           "float activations": [floats["tok_s"][1], floats["tok_s"][8]]}}
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entry, indent=1))
+        tmp.replace(path)
+        return entry
 
 
 # ---------------------------------------------------------------------------- Whisper

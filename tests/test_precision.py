@@ -259,3 +259,66 @@ def test_an_auto_choice_with_integer_products_reaches_the_lane(smollm, monkeypat
             path.unlink()
         else:
             path.write_text(kept)
+
+
+def test_int8_asked_by_name_runs_generated_tokens_on_16_bit_products_where_those_are_faster(smollm, monkeypatch):
+    """int8 asked for by name (no agreement check, so none of the 8-bit ways): its generated tokens run on
+    16-bit integer products where they time faster here than float activations, measured once and cached;
+    the lane runs what the record says, and its status says which way ran and why."""
+    import engine.precision as precision
+    from engine import native
+    from engine.calibration import device_identity
+    from engine.families.llama import LlamaBatched
+    from engine.loading import source_key
+    from engine.precision import _cache_file, asked_int8_way
+
+    monkeypatch.delenv("CADENCE_INT8_KERNEL", raising=False)
+    key = source_key(smollm.source)
+    path = _cache_file(key, device_identity("cpu"), folder="int8-asked")
+    kept = path.read_text() if path.is_file() else None
+    path.unlink(missing_ok=True)
+    try:
+        measured = asked_int8_way(LlamaBatched(smollm, width=8, precision="int8"), key)
+        (alone, wide), (f_alone, f_wide) = measured["tok_s"]["16-bit"], measured["tok_s"]["float activations"]
+        assert min(alone, wide, f_alone, f_wide) > 0
+        assert measured["integer_dot"] == (alone * wide > f_alone * f_wide)
+        assert measured["integer_way"] == ("16-bit" if measured["integer_dot"] else None)
+        assert json.loads(path.read_text()) == measured
+
+        def timed_again(decoder):
+            raise AssertionError("measured again despite the record")
+
+        monkeypatch.setattr(precision, "chat_speed", timed_again)
+        assert asked_int8_way(LlamaBatched(smollm, precision="int8"), key) == measured  # from the record
+
+        for faster in (True, False):  # what the record says runs, both ways
+            numbers = {"16-bit": [100.0, 300.0], "float activations": [50.0, 200.0]}
+            if not faster:
+                numbers = {"16-bit": [50.0, 200.0], "float activations": [100.0, 300.0]}
+            path.write_text(json.dumps({"integer_dot": faster, "integer_way": "16-bit" if faster else None,
+                                        "tok_s": numbers}))
+            engine = Engine(backend="cpu", batch=2, drafter="off", precision="int8")
+            try:
+                assert engine.submit(ChatRequest(PROMPTS[2], params=SamplingParams(max_tokens=8))).result(600).tokens
+                lane = engine.status()["lanes"]["smollm2-135m-instruct"]
+                decoder = engine._lanes["smollm2-135m-instruct"].decoder
+                assert lane["precision"] == "int8" and lane["precision_from"] == "argument"
+                if faster:
+                    assert decoder._c_layers.generated_kernels == ("i16dot", "i16dot")
+                    assert decoder._head_kernels == (native.int8_kernel(), "i16dot")
+                    assert lane["precision_why"] == ("int8, as asked; generated tokens on 16-bit integer products, the "
+                                                     "faster here (100 tok/s alone, 300 at width 8; float activations: "
+                                                     "50 and 200)")
+                else:
+                    assert decoder._c_layers.generated_kernels[0] not in ("i8dot", "i16dot")
+                    assert decoder._head_kernels is None
+                    assert lane["precision_why"] == ("int8, as asked; generated tokens on float activations, the faster "
+                                                     "here (100 tok/s alone, 300 at width 8; 16-bit integer products: "
+                                                     "50 and 200)")
+            finally:
+                engine.shutdown()
+    finally:
+        if kept is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_text(kept)
