@@ -47,8 +47,7 @@ class StepBatch:
     row_slots: torch.Tensor  # [R] slot of each real row
     row_positions: torch.Tensor  # [R] position of each real row
     kv_len: int  # cache positions any row attends to, rounded up to a whole attention block
-    blocked: torch.Tensor  # [S, 1, T, kv_len] True where a row may not attend (later positions)
-    _windowed: dict = field(default_factory=dict)  # window -> its mask, made once per step
+    _windowed: dict = field(default_factory=dict)  # window -> its mask, made once per step; None: blocked
     # Rows whose cross-attention scores a family collects (Whisper's word alignment), as (slot, rows in R)
     # groups; None on the ordinary path, which then does nothing extra. The family fills ``attention``.
     attention_groups: list[tuple[int, torch.Tensor]] | None = None
@@ -62,27 +61,41 @@ class StepBatch:
     def build(cls, slots: list[int], rows: list[list[int]], starts: list[int], device="cpu",
               prompt_lengths: list[int] | None = None) -> "StepBatch":
         """``rows[s]`` are the new tokens of sequence s, the first at position ``starts[s]``; its rows at
-        positions from ``prompt_lengths[s]`` on are generated tokens (see :attr:`generated`)."""
+        positions from ``prompt_lengths[s]`` on are generated tokens (see :attr:`generated`).
+        Built from Python lists, a tensor per field (a decode step's batch is small, and each tensor
+        operation costs microseconds); the attention mask is made when first asked for."""
         counts = [len(r) for r in rows]
         width = max(counts)
         uniform = min(counts) == width
-        tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
-        lengths = torch.tensor(counts, dtype=torch.long, device=device)
-        positions = torch.tensor(starts, dtype=torch.long, device=device)[:, None] + torch.arange(width, device=device)
-        valid = torch.arange(width, device=device)[None, :] < lengths[:, None]
-        slot_t = torch.tensor(slots, dtype=torch.long, device=device)
-        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-        kv_len = round_up(max(start + n for start, n in zip(starts, counts)))
-        blocked = torch.arange(kv_len, device=device)[None, None, :] > positions[:, :, None]
-        flat = (lambda x: x.reshape(-1)) if uniform else (lambda x: x[valid])
+        spans = [range(start, start + width) for start in starts]
+        real = [(s, p) for slot, span, n in zip(slots, spans, counts) for s, p in zip([slot] * n, span[:n])]
+        generated = None
+        if prompt_lengths is not None:
+            generated = torch.tensor([p >= length for span, n, length in zip(spans, counts, prompt_lengths)
+                                      for p in span[:n]], dtype=torch.uint8, device=device)
         return cls(
-            slots=slot_t, tokens=tokens, positions=positions, lengths=lengths, valid=valid, uniform=uniform,
-            first_slot=slots[0] if contiguous else None,
-            row_slots=flat(slot_t[:, None].expand(-1, width)), row_positions=flat(positions),
-            kv_len=kv_len, blocked=blocked[:, None],
-            generated=None if prompt_lengths is None else flat(
-                positions >= torch.tensor(prompt_lengths, dtype=torch.long, device=device)[:, None]).to(torch.uint8),
+            slots=torch.tensor(slots, dtype=torch.long, device=device),
+            tokens=torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device),
+            positions=torch.tensor([list(span) for span in spans], dtype=torch.long, device=device),
+            lengths=torch.tensor(counts, dtype=torch.long, device=device),
+            valid=torch.tensor([[j < n for j in range(width)] for n in counts], device=device),
+            uniform=uniform,
+            first_slot=slots[0] if slots == list(range(slots[0], slots[0] + len(slots))) else None,
+            row_slots=torch.tensor([s for s, _ in real], dtype=torch.long, device=device),
+            row_positions=torch.tensor([p for _, p in real], dtype=torch.long, device=device),
+            kv_len=round_up(max(start + n for start, n in zip(starts, counts))),
+            generated=generated,
         )
+
+    @property
+    def blocked(self) -> torch.Tensor:
+        """[S, 1, T, kv_len] True where a row may not attend (later positions); made once, when first
+        asked for (the fused C layers never ask)."""
+        mask = self._windowed.get(None)
+        if mask is None:
+            keys = torch.arange(self.kv_len, device=self.positions.device)
+            mask = self._windowed[None] = (keys[None, None, :] > self.positions[:, :, None])[:, None]
+        return mask
 
     def window_blocked(self, window: int) -> torch.Tensor:
         """:attr:`blocked` for a sliding-window layer: also every position ``window`` or more behind the

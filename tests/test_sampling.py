@@ -125,3 +125,21 @@ def test_streamed_text_equals_a_full_decode_over_a_long_answer(smollm):
     stream = TextStream(tok)
     streamed = "".join(stream.push(t) for t in ids) + stream.flush()
     assert streamed == tok.decode(ids, skip_special_tokens=True) == text
+
+
+def test_the_fast_argmax_picks_what_torch_argmax_picks():
+    """Greedy's argmax goes through NumPy for CPU float32 rows: the same index as torch.argmax for ties
+    (the first), NaN (counted largest), all -inf, strided rows and other dtypes."""
+    from engine.picking import argmax
+
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randn(49152, generator=g) for _ in range(20)]
+    tie = torch.zeros(100)
+    tie[[7, 3, 50]] = 2.0
+    nan = torch.randn(100, generator=g)
+    nan[[40, 9]] = float("nan")
+    rows += [tie, nan, torch.full((64,), -float("inf")), torch.randn(8, 300, generator=g)[:, 5]]
+    rows += [torch.randn(300, generator=g).to(torch.bfloat16)]
+    for row in rows:
+        assert argmax(row) == int(torch.argmax(row))
+    assert argmax(tie) == 3 and argmax(nan) == 9

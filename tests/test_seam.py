@@ -61,3 +61,23 @@ def test_whisper_rows_over_the_encoder_memory_are_the_same_whatever_shares_their
     assert torch.equal(beside[0], one_by_one[0])
     rest_at_once = _logits(shared, [0], [DRAFTS[1:]], [len(WHISPER_PROMPT) + 1])
     assert all(torch.equal(rest_at_once[i], one_by_one[i + 1]) for i in range(len(DRAFTS) - 1))
+
+
+def test_a_ragged_step_batch_holds_each_rows_slot_position_kind_and_mask():
+    """Two sequences, three rows and one, in slots 2 and 0: the padded layout, the real rows in order,
+    which rows are generated tokens, and the mask (a row sees its own position and those before it)."""
+    batch = StepBatch.build([2, 0], [[5, 6, 7], [8]], [10, 4], prompt_lengths=[12, 0])
+    assert batch.tokens.tolist() == [[5, 6, 7], [8, 0, 0]] and batch.lengths.tolist() == [3, 1]
+    assert batch.positions.tolist() == [[10, 11, 12], [4, 5, 6]]
+    assert batch.valid.tolist() == [[True, True, True], [True, False, False]]
+    assert not batch.uniform and batch.first_slot is None and batch.kv_len == 64
+    assert batch.row_slots.tolist() == [2, 2, 2, 0] and batch.row_positions.tolist() == [10, 11, 12, 4]
+    assert batch.generated.tolist() == [0, 0, 1, 1]
+    assert batch.flat(batch.tokens).tolist() == [5, 6, 7, 8] and batch.last_rows().tolist() == [2, 3]
+    assert batch.blocked.shape == (2, 1, 3, 64)
+    assert batch.blocked[0, 0, 1].tolist() == [i > 11 for i in range(64)]
+    windowed = batch.window_blocked(2)  # a row at p sees p - 1 and p
+    assert windowed[0, 0, 2].tolist() == [not 11 <= i <= 12 for i in range(64)]
+    even = StepBatch.build([1, 2], [[3], [4]], [0, 70])
+    assert even.uniform and even.first_slot == 1 and even.kv_len == 128 and even.generated is None
+    assert even.row_positions.tolist() == [0, 70] and even.flat(even.tokens).tolist() == [3, 4]

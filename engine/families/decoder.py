@@ -283,7 +283,7 @@ class DecoderOnly(BatchedDecoder):
             x = self._hidden_states_longrope(batch)
         if logit_rows is not None:
             x = x[logit_rows]
-        hidden = self._norm(x, self.norm)
+        hidden = self._add_norm(x, None, self.norm)[1]  # (in C where the layer ops are)
         if self._head_kernels is not None and batch.generated is not None:
             generated = batch.generated if logit_rows is None else batch.generated[logit_rows]
             logits = native.int8_linear_by_kind(hidden.float().contiguous(), self.lm_head.q, self.lm_head.scale,
@@ -307,12 +307,12 @@ class DecoderOnly(BatchedDecoder):
         for kind, (cos, sin) in self.tables.items():
             if turns["rows"] is None or cos.shape[-1] != self.head_dim:
                 turns[kind] = (cos[table_rows][:, None, :], sin[table_rows][:, None, :])
-        masks = {None: batch.blocked}
-        for window in self._windows:
-            masks[window] = batch.window_blocked(window)
         x, normed = self._add_norm(x, None, self.layers[0].input_norm)
         if self.layers_in_c and turns["rows"] is not None and self.tables[SINGLE][0].shape[-1] == self.head_dim:
             return self._c_layers(self, x, normed, batch, turns["rows"])
+        masks = {None: batch.blocked}
+        for window in self._windows:
+            masks[window] = batch.window_blocked(window)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.qkv(normed), turns)
             if self._fused_ops and self.softcap is None:
