@@ -382,7 +382,8 @@ class Lane:
             offset += len(r)
         with_hidden = self.drafter is not None and self.drafter.needs_hidden
         t0 = time.perf_counter()
-        rows_t = torch.tensor(wanted, device=batch.tokens.device)
+        # every row, in order (one stream decoding, or every slot's single row): no selection to make
+        rows_t = None if wanted == list(range(offset)) else torch.tensor(wanted, device=batch.tokens.device)
         logits, hidden = self.decoder.forward(batch, rows_t, with_hidden=True) if with_hidden else \
             (self.decoder.forward(batch, rows_t), None)
         logits = logits.cpu()  # token choice runs on the CPU, per sequence, with its own generator

@@ -115,8 +115,9 @@ def test_the_integer_kernels_sum_rounded_activations_exactly(out, size, with_bia
 
 
 def test_the_decoder_layers_in_one_c_call_give_the_python_loops_bits(smollm):
-    """SmolLM2 in int8: the layer loop in C (engine/native/decoder_layers.c) against the same loop op by
-    op in Python, over steps of one and several slots, prompts and single tokens, every kernel."""
+    """SmolLM2 in int8: the embedding and first norm (cadence_embed_norm) and the layer loop in C
+    (engine/native/decoder_layers.c) against the same ops one by one in Python, over steps of one and
+    several slots, prompts and single tokens, every kernel."""
     from engine.families.llama import LlamaBatched
     from engine.seam import StepBatch
 

@@ -231,6 +231,13 @@ class DecoderOnly(BatchedDecoder):
         return self.embed, self._output_weight
 
     # ------------------------------------------------------------------ the step
+    @property
+    def _one_c_call(self) -> bool:
+        """Whether a step's embedding, first norm and layers go straight to C (float32 embeddings, no
+        scale, rotary on whole heads): the same values as the op-by-op way, fewer calls."""
+        return (self.layers_in_c and self.embed_scale is None and self.embed.dtype == torch.float32
+                and self.embed.is_contiguous() and self.tables[SINGLE][0].shape[-1] == self.head_dim)
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
@@ -297,6 +304,9 @@ class DecoderOnly(BatchedDecoder):
     def _hidden_states(self, batch: StepBatch, table_rows: torch.Tensor) -> torch.Tensor:
         """Every layer over the step's rows: [R, d] before the final norm. ``table_rows``: each row's
         row in the rotary tables (its position, unless longrope's long factors apply)."""
+        if self._one_c_call:  # the embedding and first norm, then every layer, in two C calls
+            x, normed = native.embed_norm(batch.flat(batch.tokens), self.embed, self.layers[0].input_norm, self.eps)
+            return self._c_layers(self, x, normed, batch, table_rows.contiguous())
         x = F.embedding(batch.flat(batch.tokens), self.embed)  # [R, d]
         if self.embed_scale is not None:
             x = x * self.embed_scale

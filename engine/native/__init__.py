@@ -111,6 +111,9 @@ def int8_library():
             library.cadence_add_rms_norm.restype = library.cadence_rotary.restype = None
             library.cadence_add_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
                                                      ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+            library.cadence_embed_norm.restype = None
+            library.cadence_embed_norm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+                                                   ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
             library.cadence_silu_mul.restype = library.cadence_attend.restype = None
             for fn in (library.cadence_attend_memory_f32, library.cadence_attend_memory_f16):
                 fn.restype = None
@@ -271,6 +274,19 @@ def add_rms_norm(x, h, weight, eps: float):
     int8_library().cadence_add_rms_norm(x.data_ptr(), h.data_ptr() if h is not None else None, rows, d,
                                         weight.data_ptr(), eps, total.data_ptr(), y.data_ptr())
     return total, y
+
+
+def embed_norm(tokens, table, weight, eps: float):
+    """(x, rms_norm(x) * weight) for x the rows of ``table`` [vocab, d] (float32, contiguous) at ``tokens``
+    (int64 [rows]): the same values as F.embedding, then :func:`add_rms_norm`, in one call."""
+    import torch
+
+    tokens = tokens.contiguous()
+    x = torch.empty(tokens.shape[0], table.shape[1], dtype=torch.float32)
+    normed = torch.empty_like(x)
+    int8_library().cadence_embed_norm(tokens.data_ptr(), tokens.shape[0], table.data_ptr(), table.shape[1],
+                                      weight.data_ptr(), eps, x.data_ptr(), normed.data_ptr())
+    return x, normed
 
 
 def rotary(x, heads: int, cos, sin, table_rows) -> None:

@@ -9,6 +9,7 @@
  * rows beside it. Used by engine/families/decoder.py where the int8 precision runs on the native
  * kernel (float32 activations); float32 keeps PyTorch's ops, the yardstick. */
 #include <math.h>
+#include <string.h>
 #include <stdint.h>
 #include <stdlib.h>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -81,6 +82,14 @@ void cadence_add_rms_norm(const float *x, const float *h, long rows, long d, con
         const float inv = 1.0f / sqrtf(total / (float)d + eps);
         for (long i = 0; i < d; i++) y[r * d + i] = v[i] * inv * w[i];
     }
+}
+
+/* x = the rows of `table` [vocab, d] at `tokens`, normed = rms_norm(x) * w: a step's embedding and its
+ * first layer's input norm in one call (the same values as a gather, then cadence_add_rms_norm). */
+void cadence_embed_norm(const long *tokens, long rows, const float *table, long d, const float *w, float eps,
+                        float *x, float *normed) {
+    for (long r = 0; r < rows; r++) memcpy(x + r * d, table + tokens[r] * d, d * sizeof(float));
+    cadence_add_rms_norm(x, 0, rows, d, w, eps, x, normed);
 }
 
 /* rotate_half rotary embedding, in place, on `heads` heads of `dim` floats at the start of each row
