@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from engine.filelock import held
-from engine.paths import cache_dir
+from engine.paths import cache_dir, write_json
 from engine.seam import ATTENTION_BLOCK, MIN_SLOT_LENGTH, BatchedDecoder, StepBatch
 
 CALIBRATION_VERSION = 7  # 2: each width also timed with 2 rows per slot; 3: Whisper's encoder memory in bfloat16; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8's 16-bit integer products
@@ -243,8 +243,5 @@ def _calibrate(decoder: BatchedDecoder, model: str, device: str, path, use_cache
         result.from_cache = False
         if not result.steady:
             return result  # measured while the machine was busy: the next start measures again
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(result.to_json(), indent=1))
-        tmp.replace(path)
+        write_json(path, result.to_json())
     return result

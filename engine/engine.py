@@ -285,16 +285,10 @@ class Engine:
     def _precision_status(self, model: str) -> dict:
         precision, choice, integer = self._precisions.get(model, (self.precision, None, {}))
         why = f"{precision}, as {'asked' if self.precision_source == 'argument' else self.precision_source}"
-        if choice is None and "tok_s" in integer:  # int8 asked for by name: which way its generated tokens run
-            from engine.precision import ASKED_INT8_WAY
+        if choice is None:  # int8 asked for by name: which way its generated tokens run, and why
+            from engine.precision import asked_int8_why
 
-            ran, other = ((integer["integer_way"], "float activations") if integer["integer_dot"]
-                          else ("float activations", ASKED_INT8_WAY))
-            name = {ASKED_INT8_WAY: f"{ASKED_INT8_WAY} integer products"}
-            alone, wide = integer["tok_s"][ran]
-            why += (f"; generated tokens on {name.get(ran, ran)}, the faster here ({alone:.0f} tok/s alone, {wide:.0f}"
-                    f" at width 8; {name.get(other, other)}: {integer['tok_s'][other][0]:.0f} and "
-                    f"{integer['tok_s'][other][1]:.0f})")
+            why += asked_int8_why(integer)
         return {"precision": precision,
                 "precision_from": "auto" if choice is not None else self.precision_source,
                 "precision_why": choice.why if choice is not None else why,

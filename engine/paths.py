@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -22,3 +23,13 @@ def data_dir() -> Path:
     path = Path(root) if root else Path(platformdirs.user_data_dir("cadence", appauthor=False))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def write_json(path: Path, data) -> None:
+    """``data`` as indented JSON at ``path``, whole or not at all: written beside it under this process's
+    own name, then renamed over it, so a reader (or another process writing the same cache) never sees
+    half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)

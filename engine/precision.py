@@ -37,7 +37,7 @@ from engine.api import PRECISION_ENV, parse_precision  # noqa: F401 - the names 
 from engine.calibration import steady
 from engine.kernels import precisions_on
 from engine.filelock import held
-from engine.paths import cache_dir
+from engine.paths import cache_dir, write_json
 from engine.seam import StepBatch
 
 CHOICE_VERSION = 10  # 2: Whisper's encoder memory kept in bfloat16 (its speed and words changed); 3: a longer check clip; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8 with float32 activations on bfloat16 CPUs too, 16 lanes where AVX-512 wins; 8: int8 chat may run generated tokens on integer products (engine.native); 9: or all but the MLP's down projection; 10: 16-bit integer products (the output layer's generated rows; the down projection's, or all), the fastest way that qualifies
@@ -183,11 +183,23 @@ def asked_int8_way(decoder, model_key: str) -> dict:
         entry = {"integer_dot": faster, "integer_way": ASKED_INT8_WAY if faster else None,
                  "tok_s": {ASKED_INT8_WAY: [integer["tok_s"][1], integer["tok_s"][8]],  # alone, at width 8
                            "float activations": [floats["tok_s"][1], floats["tok_s"][8]]}}
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entry, indent=1))
-        tmp.replace(path)
+        write_json(path, entry)
         return entry
 
+
+
+def asked_int8_why(entry: dict) -> str:
+    """What ``asked_int8_way``'s entry means for the status line: which way generated tokens run and the
+    timings that chose it ('' where nothing was timed)."""
+    if "tok_s" not in entry:
+        return ""
+    ran, other = ((entry["integer_way"], "float activations") if entry["integer_dot"]
+                  else ("float activations", ASKED_INT8_WAY))
+    name = {ASKED_INT8_WAY: f"{ASKED_INT8_WAY} integer products"}
+    alone, wide = entry["tok_s"][ran]
+    return (f"; generated tokens on {name.get(ran, ran)}, the faster here ({alone:.0f} tok/s alone, {wide:.0f}"
+            f" at width 8; {name.get(other, other)}: {entry['tok_s'][other][0]:.0f} and "
+            f"{entry['tok_s'][other][1]:.0f})")
 
 # ---------------------------------------------------------------------------- Whisper
 def check_speech() -> tuple[object, str]:
@@ -310,10 +322,7 @@ def _choose(loaded, reference, build, identity: str, path: Path, use_cache: bool
         choice.why += f" Measured while the machine was busy (float32: {moved}): not kept, the next start measures again."
     choice.seconds = round(time.perf_counter() - t0, 2)
     if choice.steady:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(choice.to_json(), indent=1))
-        tmp.replace(path)
+        write_json(path, choice.to_json())
     return choice
 
 

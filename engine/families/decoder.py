@@ -232,11 +232,16 @@ class DecoderOnly(BatchedDecoder):
 
     # ------------------------------------------------------------------ the step
     @property
+    def _layer_loop_in_c(self) -> bool:
+        """Whether a step's layers run as one C call (its layer ops fused, rotary on whole heads)."""
+        return self.layers_in_c and self.tables[SINGLE][0].shape[-1] == self.head_dim
+
+    @property
     def _one_c_call(self) -> bool:
-        """Whether a step's embedding, first norm and layers go straight to C (float32 embeddings, no
-        scale, rotary on whole heads): the same values as the op-by-op way, fewer calls."""
-        return (self.layers_in_c and self.embed_scale is None and self.embed.dtype == torch.float32
-                and self.embed.is_contiguous() and self.tables[SINGLE][0].shape[-1] == self.head_dim)
+        """Whether the embedding and first norm go to C too (float32 embeddings, no scale): the same
+        values as the op-by-op way, fewer calls."""
+        return (self._layer_loop_in_c and self.embed_scale is None and self.embed.dtype == torch.float32
+                and self.embed.is_contiguous())
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
@@ -318,7 +323,7 @@ class DecoderOnly(BatchedDecoder):
             if turns["rows"] is None or cos.shape[-1] != self.head_dim:
                 turns[kind] = (cos[table_rows][:, None, :], sin[table_rows][:, None, :])
         x, normed = self._add_norm(x, None, self.layers[0].input_norm)
-        if self.layers_in_c and turns["rows"] is not None and self.tables[SINGLE][0].shape[-1] == self.head_dim:
+        if self._layer_loop_in_c:  # (layers in C implies fused ops, so turns["rows"] is set)
             return self._c_layers(self, x, normed, batch, turns["rows"])
         masks = {None: batch.blocked}
         for window in self._windows:
