@@ -31,7 +31,7 @@ def speak(folder: Path) -> list[Path]:
     for name, (voice, rate, text) in SENTENCES.items():
         raw, path = folder / f"raw-{name}", folder / name
         subprocess.run(["espeak-ng", "-w", str(raw), "-v", voice, "-s", str(rate), text], check=True)
-        subprocess.run(["sox", str(raw), "-r", "16000", "-c", "1", str(path)], check=True)
+        subprocess.run(["sox", "-R", str(raw), "-r", "16000", "-c", "1", str(path)], check=True)
         raw.unlink()
         out.append(path)
     long = folder / "meeting.wav"

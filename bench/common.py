@@ -23,7 +23,7 @@ def speech_samples(folder: Path, count: int) -> list:
         raw, out = folder / f"speech{i}.raw.wav", folder / f"speech{i}.wav"
         subprocess.run(["espeak-ng", "-w", str(raw), "-v", "en-us+f3", "-s", "130", TEXTS[i % len(TEXTS)]],
                        check=True)
-        subprocess.run(["sox", str(raw), "-r", "16000", "-c", "1", str(out)], check=True)
+        subprocess.run(["sox", "-R", str(raw), "-r", "16000", "-c", "1", str(out)], check=True)
         clips.append(load_audio(out))
     return clips
 

@@ -149,10 +149,12 @@ def long_text(seconds: float, words_per_minute: int, rng: random.Random) -> str:
 
 
 def speak(text: str, out: Path, voice: str, rate: int) -> Path:
-    """``text`` as 16 kHz mono WAV via espeak-ng and sox (as bench.common does for short clips)."""
+    """``text`` as 16 kHz mono WAV via espeak-ng and sox (as bench.common does for short clips). sox's
+    resampling dithers from a random seed unless given -R: without it each run's speech differed in its
+    last bits, and words near a call with it (tiny.en's WER on the batch moved by up to 0.6 points)."""
     raw = out.with_suffix(".raw.wav")
     subprocess.run(["espeak-ng", "-w", str(raw), "-v", voice, "-s", str(rate), text], check=True)
-    subprocess.run(["sox", "-V1", str(raw), "-r", "16000", "-c", "1", str(out)], check=True)
+    subprocess.run(["sox", "-V1", "-R", str(raw), "-r", "16000", "-c", "1", str(out)], check=True)
     raw.unlink()
     return out
 

@@ -39,7 +39,7 @@ def main() -> int:
         for i, (voice, rate, text) in enumerate(LINES):
             raw, wav = Path(tmp) / f"{i}.raw.wav", Path(tmp) / f"{i}.wav"
             subprocess.run(["espeak-ng", "-w", str(raw), "-v", voice, "-s", str(rate), text], check=True)
-            subprocess.run(["sox", str(raw), "-r", "16000", "-c", "1", "-b", "16", str(wav)], check=True)
+            subprocess.run(["sox", "-R", str(raw), "-r", "16000", "-c", "1", "-b", "16", str(wav)], check=True)
             samples, _ = sf.read(wav, dtype="float32")
             pieces += [samples, np.zeros(int(16000 * PAUSE_S), dtype=np.float32)]
     audio = np.concatenate(pieces)

@@ -127,10 +127,11 @@ def session_dir() -> Path:
 
 
 def synthesize(text: str, out: Path, voice: str = "en-us+f3", rate: int = 130, sample_rate: int = 16000) -> Path:
-    """Speak ``text`` with espeak-ng and convert it to a mono WAV at ``sample_rate``."""
+    """Speak ``text`` with espeak-ng and convert it to a mono WAV at ``sample_rate`` (the same bytes in every
+    run: -R seeds sox's dither)."""
     raw = out.with_suffix(".raw.wav")
     subprocess.run(["espeak-ng", "-w", str(raw), "-v", voice, "-s", str(rate), text], check=True)
-    subprocess.run(["sox", str(raw), "-r", str(sample_rate), "-c", "1", str(out)], check=True)
+    subprocess.run(["sox", "-R", str(raw), "-r", str(sample_rate), "-c", "1", str(out)], check=True)
     raw.unlink()
     return out
 

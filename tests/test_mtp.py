@@ -254,3 +254,17 @@ def test_shipped_chat_head(smollm):
 def test_shipped_whisper_heads(name, request):
     loaded = request.getfixturevalue("tiny" if name == "whisper-tiny.en" else "base")
     _check_shipped(name, loaded, speech_sample(loaded, SPEECH))
+
+
+def test_training_speech_is_the_same_bytes_every_time(tmp_path):
+    """The Whisper heads' speech is part of their seeded data: made twice, it is identical (sox's
+    resampling dither is seeded), and it is speech, not silence."""
+    import soundfile
+
+    from engine.mtp.data import synthesize
+
+    text = "The cat slept on the warm windowsill while snow fell quietly outside."
+    first = soundfile.read(str(synthesize(text, tmp_path / "a.wav", "en-gb+m3", 150)))[0]
+    second = soundfile.read(str(synthesize(text, tmp_path / "b.wav", "en-gb+m3", 150)))[0]
+    assert first.size > 16000 and abs(first).max() > 0.1
+    assert (first == second).all()

@@ -319,11 +319,13 @@ def speech_texts(split: str, seed: int, count: int, progress) -> list[str]:
 
 
 def synthesize(text: str, out: Path, voice: str, rate: int) -> Path:
+    """``text`` spoken by espeak-ng as 16-kHz mono WAV at ``out``, the same bytes every time: sox dithers
+    when it resamples, from a random seed unless told to repeat itself (-R)."""
     raw = out.with_suffix(".raw.wav")
     try:
         subprocess.run(["espeak-ng", "-w", str(raw), "-v", voice, "-s", str(rate), text], check=True,
                        capture_output=True)
-        subprocess.run(["sox", str(raw), "-r", "16000", "-c", "1", str(out)], check=True, capture_output=True)
+        subprocess.run(["sox", "-R", str(raw), "-r", "16000", "-c", "1", str(out)], check=True, capture_output=True)
     except FileNotFoundError as exc:
         raise CadenceError(f"Training a Whisper draft head needs espeak-ng and sox installed ({exc.filename} "
                            "was not found).") from None
