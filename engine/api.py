@@ -125,6 +125,7 @@ class ChatRequest:
     model: str = DEFAULT_CHAT
     params: SamplingParams = field(default_factory=SamplingParams)
     prompt_ids: list[int] | None = None  # bypasses the chat template when given
+    keep_hidden: bool = False  # True: the answer carries the hidden state behind each token (draft-head data)
 
 
 @dataclass
@@ -200,9 +201,14 @@ class ChatAnswer:
     finish_reason: str  # "stop", "length" or "cancelled"
     stats: dict  # prompt_tokens, dropped_turns, timings (queue_wait, time_to_first_token, ...), drafting
     fitting: PromptFitting = field(default_factory=PromptFitting)
+    # keep_hidden: the model's final-norm hidden state at the row that chose each token, [n, d] (a torch
+    # tensor), and, where the answer ended on a stop token, at the row that chose that last
+    hidden: object | None = field(default=None, repr=False)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(dataclasses.replace(self, hidden=None))
+        del out["hidden"]  # (training data, not part of an answer's record)
+        return out
 
 
 # ---------------------------------------------------------------------------- events

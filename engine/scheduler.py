@@ -86,6 +86,7 @@ class Sequence:
     # drafting
     draft_state: dict = field(default_factory=dict)  # the drafter's own memory of this sequence
     last_hidden: torch.Tensor | None = None  # final-norm hidden state of the row that chose tokens[-1]
+    hidden_rows: list[torch.Tensor] | None = None  # kept when a list: the hidden state behind each token chosen
     accept_ema: list[float] = field(default_factory=lambda: [PRIOR_ACCEPTANCE] * MAX_DEPTH)
     draft_counts: DraftCounts = field(default_factory=DraftCounts)
 
@@ -380,7 +381,8 @@ class Lane:
             wanted.extend(range(offset + len(r) - 1 - checked, offset + len(r)))
             owners.append((seq, len(r), checked + 1))
             offset += len(r)
-        with_hidden = self.drafter is not None and self.drafter.needs_hidden
+        drafter_hidden = self.drafter is not None and self.drafter.needs_hidden
+        with_hidden = drafter_hidden or any(seq.hidden_rows is not None for seq in active)
         t0 = time.perf_counter()
         # every row, in order (one stream decoding, or every slot's single row): no selection to make
         rows_t = None if wanted == list(range(offset)) else torch.tensor(wanted, device=batch.tokens.device)
@@ -416,10 +418,13 @@ class Lane:
                     seq.draft_counts.add(len(draft), accepted)
                     self.draft_counts.add(len(draft), accepted)
                     update_acceptance(seq.accept_ema, len(draft), accepted)
-            if hidden is not None:
+            if drafter_hidden:
                 seq.last_hidden = hidden[first + len(tokens) - 1]
                 self.drafter.observe(seq, hidden[first : first + len(tokens)], tokens)
-            for token in tokens:
+            kept = hidden[first : first + len(tokens)].clone() if seq.hidden_rows is not None else None
+            for j, token in enumerate(tokens):
+                if kept is not None:  # the row behind each token taken, a stop token's included
+                    seq.hidden_rows.append(kept[j])
                 if token in seq.stop_ids:
                     self._finish(seq, "stop")
                     break

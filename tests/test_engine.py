@@ -91,6 +91,38 @@ def test_batched_whisper_with_an_initial_prompt_equals_the_reference(engine4, ti
     assert "Phocks" in handles[1].result().text
 
 
+def test_kept_hidden_states_are_the_ones_behind_each_token(engine4, smollm, chat_ref):
+    """ChatRequest.keep_hidden (the MTP heads' training data): with three answers batched and drafting
+    as shipped, each answer carries one hidden state per token (plus the stop token's), each of them
+    the state that chose its token, as a teacher-forced pass through the transformers model gives it;
+    answers without it carry none, and the record of an answer leaves it out."""
+    import torch
+
+    from engine.mtp.data import _teacher_force_chat
+
+    params = SamplingParams(max_tokens=24)
+    prompts = PROMPTS[:3]
+    handles = [engine4.submit(ChatRequest(p, params=params, keep_hidden=True)) for p in prompts]
+    plain = engine4.submit(ChatRequest(prompts[0], params=params)).result(300)
+    answers = [h.result(300) for h in handles]
+    assert plain.hidden is None and "hidden" not in answers[0].to_json()
+    assert answers[0].tokens == plain.tokens  # keeping them changes nothing else
+    eos = min(chat_ref.stop_ids)
+    ids = [chat_ref.prompt_ids(build_messages(p)) for p in prompts]
+    chosen = [a.tokens + ([eos] if a.finish_reason == "stop" else []) for a in answers]
+    assert any(a.finish_reason == "stop" for a in answers) and any(a.finish_reason == "length" for a in answers)
+    forced = _teacher_force_chat(smollm, ids, chosen, [""] * 3)
+    at = 0
+    for answer, tokens in zip(answers, chosen):
+        hidden = answer.hidden.float()
+        assert hidden.shape == (len(tokens), smollm.model.config.hidden_size)
+        with torch.no_grad():
+            assert (hidden @ smollm.model.lm_head.weight.T).argmax(-1).tolist() == tokens
+        want = forced.hidden[at : at + len(tokens)]
+        assert torch.allclose(hidden, want, rtol=1e-3, atol=1e-3), (hidden - want).abs().max()
+        at += len(tokens)
+
+
 def test_events_stream_in_order(engine4):
     handle = engine4.submit(ChatRequest("Say hello.", params=SamplingParams(max_tokens=8)))
     kinds = [e.kind for e in handle]

@@ -180,11 +180,12 @@ def test_calibration_and_selection(tmp_path):
     assert part.lengths.tolist() == [40, 40] and torch.equal(part.emitted[:40], data.emitted[80:120])
 
 
-def test_chat_data_is_the_engines_greedy_answers_with_the_teachers_hidden_states(smollm, chat_ref):
+def test_chat_data_is_the_engines_greedy_answers_with_the_hidden_states_behind_them(smollm, chat_ref):
     """The maker behind `cadence train-mtp`'s chat data: the engine's float32 greedy answers (as the
-    reference decoder gives them), each position's hidden state from a teacher-forced pass."""
+    reference decoder gives them), each position's hidden state as the engine computed it choosing the
+    token there, equal to a teacher-forced pass's to float32 rounding."""
     from engine.chat.reference import build_messages
-    from engine.mtp.data import _ChatMaker
+    from engine.mtp.data import _ChatMaker, _teacher_force_chat
     from engine.mtp.progress import quiet
     from engine.sampling import SamplingParams
 
@@ -202,6 +203,11 @@ def test_chat_data_is_the_engines_greedy_answers_with_the_teachers_hidden_states
     assert torch.equal(data.emitted, data.greedy)
     with torch.no_grad():  # the hidden states are the ones that chose those tokens
         assert torch.equal((data.hidden @ smollm.model.lm_head.weight.T).argmax(-1), data.greedy)
+    ids = [chat_ref.prompt_ids(build_messages(p)) for p in prompts]
+    ends = torch.cumsum(data.lengths, 0).tolist()
+    answers = [data.emitted[end - n : end].tolist() for end, n in zip(ends, data.lengths.tolist())]
+    forced = _teacher_force_chat(smollm, ids, answers, [""] * len(prompts))
+    assert torch.allclose(data.hidden, forced.hidden, rtol=1e-3, atol=1e-3)
 
 
 def test_unknown_model_is_one_sentence():

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from engine.api import ChatAnswer, ChatStarted, Delta, DocumentChatRequest, Finished, Handle, PromptFitting
 from engine.chat.reference import ChatReference, build_messages
 from engine.errors import RequestError
@@ -143,11 +145,12 @@ class ChatRun:
             # The text is what was streamed (a half-written character at the end is left out, never U+FFFD).
             stats = {"prompt_tokens": len(ids), "dropped_turns": fitting.dropped_turns, **seq.timings()}
             answer = ChatAnswer(text=stream.text, tokens=list(seq.tokens), finish_reason=seq.finish_reason,
-                                stats=stats, fitting=fitting)
+                                stats=stats, fitting=fitting,
+                                hidden=torch.stack(seq.hidden_rows) if seq.hidden_rows else None)
             handle.emit(Finished(handle.id, answer=answer))
 
         seq = Sequence(ids, params.max_tokens, self.ref.stop_ids, params=params, on_token=on_token,
-                       on_finish=on_finish, handle=handle)
+                       on_finish=on_finish, handle=handle, hidden_rows=[] if handle.request.keep_hidden else None)
         handle.emit(ChatStarted(handle.id, fitting=fitting))
         self.lane.add(seq)
         return [seq]

@@ -1,8 +1,8 @@
 """Data for MTP heads: what the frozen model emits, with its hidden state at every position.
 
-- chat: the model's own greedy answers (batched engine, at most ``max_tokens`` each) to the prompt
-  set of :mod:`engine.mtp.prompts`; the answers are then teacher-forced through the transformers
-  model to get its final-norm hidden state (``last_hidden_state``) at every answer position.
+- chat: the model's own greedy answers (batched engine in float32, at most ``max_tokens`` each) to
+  the prompt set of :mod:`engine.mtp.prompts`, with the final-norm hidden state the engine computed
+  at every answer position as it chose the token there (``ChatRequest.keep_hidden``: no second pass).
 - Whisper: text (the chat model's answers to the same prompt split, cut into 12-80 word pieces,
   plus the prompt set's paragraphs) spoken by espeak-ng with varied voices and speeds (at most 27 s: one
   30-s window of the engine) and transcribed greedily by the model itself (batched, with the engine's
@@ -136,7 +136,9 @@ class _ChatMaker:
             from engine.engine import Engine
 
             self.loaded = load_frozen(self.source)
-            self.engine = Engine(backend="cpu", batch=self.width, precision="float32")  # the teacher's own greedy answers
+            # the teacher's own greedy answers, and the hidden states behind them (drafting off: verified
+            # drafts would give the same tokens and states, at more rows a step)
+            self.engine = Engine(backend="cpu", batch=self.width, precision="float32", drafter="off")
 
     def close(self):
         if self.engine is not None:
@@ -154,16 +156,21 @@ class _ChatMaker:
         ids = [ref.prompt_ids(build_messages(p)) for p in prompts]
         params = SamplingParams(max_tokens=self.recipe.max_tokens)
         t0 = time.perf_counter()
-        handles = [self.engine.submit(ChatRequest(model=self.source.name, prompt_ids=i, params=params)) for i in ids]
-        answers = []
+        handles = [self.engine.submit(ChatRequest(model=self.source.name, prompt_ids=i, params=params,
+                                                  keep_hidden=True)) for i in ids]
+        answers, hidden = [], []
         for k, h in enumerate(handles):
             r = h.result()
             answers.append(list(r.tokens) + ([eos] if r.finish_reason == "stop" else []))
+            hidden.append(r.hidden.float())  # a row per answer token, the stop token's included
             done = sum(len(a) for a in answers)
             self.progress(f"chat shard {n + 1}: {k + 1}/{len(prompts)} answers, {done} tokens "
                           f"({done / (time.perf_counter() - t0):.0f} tok/s)")
-        return _teacher_force_chat(self.loaded, ids, answers, [ref.tokenizer.decode(a, skip_special_tokens=True)
-                                                              for a in answers])
+        keep = [i for i, a in enumerate(answers) if a]
+        tokens = torch.tensor([t for i in keep for t in answers[i]], dtype=torch.long)
+        return SeqData(torch.cat([hidden[i] for i in keep]), tokens, tokens.clone(),
+                       torch.tensor([len(answers[i]) for i in keep], dtype=torch.long),
+                       [ref.tokenizer.decode(answers[i], skip_special_tokens=True) for i in keep])
 
 
 @torch.inference_mode()
