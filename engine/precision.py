@@ -187,7 +187,6 @@ def asked_int8_way(decoder, model_key: str) -> dict:
         return entry
 
 
-
 def asked_int8_why(entry: dict) -> str:
     """What ``asked_int8_way``'s entry means for the status line: which way generated tokens run and the
     timings that chose it ('' where nothing was timed)."""
@@ -200,6 +199,7 @@ def asked_int8_why(entry: dict) -> str:
     return (f"; generated tokens on {name.get(ran, ran)}, the faster here ({alone:.0f} tok/s alone, {wide:.0f}"
             f" at width 8; {name.get(other, other)}: {entry['tok_s'][other][0]:.0f} and "
             f"{entry['tok_s'][other][1]:.0f})")
+
 
 # ---------------------------------------------------------------------------- Whisper
 def check_speech() -> tuple[object, str]:
