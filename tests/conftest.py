@@ -88,9 +88,9 @@ _CRASH_REPORTS: list[str] = []
 @pytest.hookimpl(trylast=True)  # after pytest's own faulthandler set-up, which writes to stderr
 def pytest_configure(config):
     worker = os.environ.get("PYTEST_XDIST_WORKER")
+    folder = Path(os.environ[_CRASH_DIR])
+    folder.mkdir(parents=True, exist_ok=True)  # (the memory logs below go there too)
     if worker:
-        folder = Path(os.environ[_CRASH_DIR])
-        folder.mkdir(parents=True, exist_ok=True)
         config._cadence_crash_log = open(folder / f"{worker}.txt", "w")  # kept open for the whole run
         faulthandler.enable(config._cadence_crash_log, all_threads=True)
 
@@ -105,12 +105,58 @@ def _crash_summary(text: str) -> str:
     return "\n".join([lines[0], *lines[start:min(end, start + 13)]])  # its 12 innermost frames
 
 
+# Two workers share the machine's memory, and a worker's session fixtures keep what they load: one run
+# lost a worker to the kernel's out-of-memory killer. So each worker writes its resident memory after every
+# test (from /proc, where there is one), and the summary names each worker's peak and the files that
+# added most, to show where the memory goes before it runs out.
+_MEMORY_SUMMARY: list[str] = []
+
+
+def _resident_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logfinish(nodeid, location):
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    rss = _resident_bytes()
+    if rss is not None:
+        with open(Path(os.environ[_CRASH_DIR]) / f"{worker}.memory", "a") as f:
+            f.write(f"{rss} {nodeid}\n")
+
+
+def _memory_summary(folder: Path) -> list[str]:
+    """Each worker's peak resident memory after a test, and the test files that added most to it."""
+    lines, grew = [], {}
+    for log_file in sorted(folder.glob("*.memory")):
+        rows = [(int(n), node) for n, node in (line.split(" ", 1) for line in log_file.read_text().splitlines())]
+        if not rows:
+            continue
+        peak, at = max(rows)
+        lines.append(f"{log_file.stem}: peak {peak / 2**30:.1f} GiB after {at}, {rows[-1][0] / 2**30:.1f} GiB at the end")
+        before = rows[0][0]  # (what the process held after its first test is not charged to a file)
+        for n, node in rows:
+            name = node.split("::", 1)[0]
+            grew[name] = grew.get(name, 0) + n - before
+            before = n
+    top = sorted(grew.items(), key=lambda kv: -kv[1])[:6]
+    lines.append("most added by: " + ", ".join(f"{name} {n / 2**30:+.1f} GiB" for name, n in top))
+    return lines
+
+
 def pytest_sessionfinish(session, exitstatus):
     if not os.environ.get("PYTEST_XDIST_WORKER"):
-        for log_file in sorted(Path(os.environ[_CRASH_DIR]).glob("*.txt")):
+        folder = Path(os.environ[_CRASH_DIR])
+        for log_file in sorted(folder.glob("*.txt")):
             text = log_file.read_text(errors="replace").strip()
             if text:
                 _CRASH_REPORTS.append(f"{log_file.stem}: {_crash_summary(text)}")
+        if folder.is_dir():
+            _MEMORY_SUMMARY.extend(_memory_summary(folder))
     shutil.rmtree(_SESSION_ROOT, ignore_errors=True)
 
 
@@ -119,6 +165,10 @@ def pytest_terminal_summary(terminalreporter):
     for report in _CRASH_REPORTS:
         terminalreporter.write_sep("=", "a test worker crashed in native code")
         terminalreporter.write_line(report)
+    if _MEMORY_SUMMARY:
+        terminalreporter.write_sep("-", "resident memory of each test process")
+        for line in _MEMORY_SUMMARY:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
