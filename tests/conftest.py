@@ -121,12 +121,14 @@ def _resident_bytes() -> int | None:
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_runtest_logfinish(nodeid, location):
+def pytest_runtest_teardown(item, nextitem):
+    # (a teardown hook runs only in the process that ran the test, after its fixtures' teardown; xdist's
+    # controller, which runs none, writes nothing)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     rss = _resident_bytes()
     if rss is not None:
         with open(Path(os.environ[_CRASH_DIR]) / f"{worker}.memory", "a") as f:
-            f.write(f"{rss} {nodeid}\n")
+            f.write(f"{rss} {item.nodeid}\n")
 
 
 def _memory_summary(folder: Path) -> list[str]:
@@ -143,6 +145,8 @@ def _memory_summary(folder: Path) -> list[str]:
             name = node.split("::", 1)[0]
             grew[name] = grew.get(name, 0) + n - before
             before = n
+    if not grew:
+        return lines
     top = sorted(grew.items(), key=lambda kv: -kv[1])[:6]
     lines.append("most added by: " + ", ".join(f"{name} {n / 2**30:+.1f} GiB" for name, n in top))
     return lines
