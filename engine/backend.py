@@ -67,3 +67,19 @@ def default_dtype(device: str, family: str):
     if device == "mps":
         return torch.float16
     return torch.float32
+
+
+def return_freed_memory() -> None:
+    """Collect what is unreachable and hand the C allocator's free pages back to the system. glibc keeps
+    freed heap pages for reuse, and PyTorch's mid-size tensors land on that heap once its mmap threshold
+    has risen: without this, the float32 and int8 decoders that precision auto times and drops while a
+    model loads stayed in the process's resident memory (1.8 GiB after SmolLM2's first answer, 1.3 after
+    a trim). Elsewhere than glibc it only collects."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # no malloc_trim here (not glibc)
+        pass

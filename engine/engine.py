@@ -158,6 +158,12 @@ class Engine:
         if self._step_log is not None:
             self._step_log.close()
             self._step_log = None
+        if not self._thread.is_alive():  # its models go with it, even while something still holds the engine
+            for store in (self._lanes, self._references, self._calibrations, self._work, self._live_runs):
+                store.clear()
+            from engine.backend import return_freed_memory
+
+            return_freed_memory()
 
     def log_steps(self, path: str | Path | None) -> None:
         """Start writing the step log to ``path`` (appending), or stop with None."""
@@ -224,6 +230,9 @@ class Engine:
             self._references[model] = reference
             self._lanes[model] = Lane(decoder, name=model, on_step=self._log_step, drafter=drafter, planner=planner,
                                       drafting_state=state)
+            from engine.backend import return_freed_memory
+
+            return_freed_memory()  # what choosing the precision and width made and dropped
         return self._lanes[model]
 
     def _drafter(self, model, loaded, decoder, width, calibration):
