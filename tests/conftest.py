@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,7 @@ def _crash_summary(text: str) -> str:
 # collected and the allocator's free pages returned (engine.backend.return_freed_memory): that alone took
 # tests/test_drafting.py's peak from 9.1 to 3.4 GiB, and what it left behind from 6.5 to 1.0.
 _MEMORY_SUMMARY: list[str] = []
+_STARTED = float(os.environ.setdefault("CADENCE_TEST_RUN_STARTED", f"{time.time():.3f}"))  # the first process's start, inherited
 
 
 def _resident_bytes() -> int | None:
@@ -132,27 +134,33 @@ def pytest_runtest_teardown(item, nextitem):
     rss = _resident_bytes()
     if rss is not None:
         with open(Path(os.environ[_CRASH_DIR]) / f"{worker}.memory", "a") as f:
-            f.write(f"{rss} {item.nodeid}\n")
+            f.write(f"{rss} {time.time():.3f} {item.nodeid}\n")
 
 
 def _memory_summary(folder: Path) -> list[str]:
-    """Each worker's peak resident memory after a test, and the test files that added most to it."""
-    lines, grew = [], {}
+    """Each worker's peak resident memory after a test, and the test files that added most to it; each
+    worker's busy time (from its start to its last test) and the test files that took longest."""
+    lines, grew, took = [], {}, {}
     for log_file in sorted(folder.glob("*.memory")):
-        rows = [(int(n), node) for n, node in (line.split(" ", 1) for line in log_file.read_text().splitlines())]
+        rows = [(int(n), float(t), node) for n, t, node in
+                (line.split(" ", 2) for line in log_file.read_text().splitlines())]
         if not rows:
             continue
-        peak, at = max(rows)
-        lines.append(f"{log_file.stem}: peak {peak / 2**30:.1f} GiB after {at}, {rows[-1][0] / 2**30:.1f} GiB at the end")
-        before = rows[0][0]  # (what the process held after its first test is not charged to a file)
-        for n, node in rows:
+        peak, _, at = max(rows)
+        lines.append(f"{log_file.stem}: peak {peak / 2**30:.1f} GiB after {at}, {rows[-1][0] / 2**30:.1f} GiB "
+                     f"at the end; {rows[-1][1] - _STARTED:.0f} s from the run's start to its last test")
+        before, then = rows[0][0], _STARTED  # (what the process held after its first test is not charged to a file)
+        for n, t, node in rows:
             name = node.split("::", 1)[0]
             grew[name] = grew.get(name, 0) + n - before
-            before = n
+            took[name] = took.get(name, 0.0) + t - then
+            before, then = n, t
     if not grew:
         return lines
     top = sorted(grew.items(), key=lambda kv: -kv[1])[:6]
     lines.append("most added by: " + ", ".join(f"{name} {n / 2**30:+.1f} GiB" for name, n in top))
+    slow = sorted(took.items(), key=lambda kv: -kv[1])[:8]
+    lines.append("longest files (their tests, fixtures and waits): " + ", ".join(f"{name} {t:.0f} s" for name, t in slow))
     return lines
 
 
@@ -174,7 +182,7 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("=", "a test worker crashed in native code")
         terminalreporter.write_line(report)
     if _MEMORY_SUMMARY:
-        terminalreporter.write_sep("-", "resident memory of each test process")
+        terminalreporter.write_sep("-", "memory and time of each test process")
         for line in _MEMORY_SUMMARY:
             terminalreporter.write_line(line)
 
