@@ -72,9 +72,9 @@ def default_dtype(device: str, family: str):
 def return_freed_memory(collect: bool = True) -> None:
     """Collect what is unreachable and hand the C allocator's free pages back to the system. glibc keeps
     freed heap pages for reuse, and PyTorch's mid-size tensors land on that heap once its mmap threshold
-    has risen: without this, the float32 and int8 decoders that precision auto times and drops while a
-    model loads stayed in the process's resident memory (1.8 GiB after SmolLM2's first answer, 1.3 after
-    a trim). Elsewhere than glibc it only collects. ``collect=False`` skips the collection of reference
+    has risen: without this, the float32 and int8 decoders that precision auto builds, times and drops on
+    a model's first load on a machine stayed in the process's resident memory (SmolLM2, an empty cache:
+    1.74-1.84 GiB after its first answer, 1.30-1.33 with this; bench/resident_memory.py --fresh-cache). Elsewhere than glibc it only collects. ``collect=False`` skips the collection of reference
     cycles (a full one takes 0.2 s once PyTorch and transformers are imported)."""
     import ctypes
     import gc
