@@ -193,9 +193,11 @@ class Engine:
             if precision == "auto":
                 from engine.precision import choose_precision
 
-                choice = choose_precision(loaded, reference, lambda p: Decoder(loaded, precision=p), key)
+                choice = choose_precision(loaded, reference, lambda p, **kw: Decoder(loaded, precision=p, **kw), key)
                 precision = choice.chosen
-            decoder = Decoder(loaded, precision=precision)
+            # int8: a model's 4-bit layers kept so, unless auto timed them faster rounded to int8 here
+            keep_4bit = choice.candidates[precision].get("keep_4bit", True) if choice is not None else True
+            decoder = Decoder(loaded, precision=precision, keep_4bit=keep_4bit)
             # int8 chat: generated tokens on integer products where auto measured that and it qualified,
             # or, int8 asked for by name, on the 16-bit ones where they are faster here
             from engine.precision import INTEGER_WAYS, asked_int8_way
@@ -209,6 +211,8 @@ class Engine:
             way = ""
             if entry.get("integer_dot") and integer and decoder.use_integer_dot(True, *integer):
                 way = "-integer-" + entry["integer_way"].replace(" ", "-")  # its width calibration is its own
+            if not keep_4bit:
+                way += "-rounded-4-bit"
             asked = self.context if isinstance(self.context, int) and loaded.family == CHAT else None
             if asked:  # the width's memory bound is reckoned at the length asked for
                 decoder.max_len = min(decoder.context_limit, asked)

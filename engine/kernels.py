@@ -145,6 +145,39 @@ def quantize_int8(weight: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, t
     return q.contiguous(), scale
 
 
+KEEP_4BIT = True  # int8 precision's default: keep weights that already are 4-bit so (auto times both ways)
+
+
+def quantize_q4_exact(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A weight that already is 4-bit (per 32 inputs: scale * code + minimum, codes 0..15, as a GGUF's Q4_1
+    layers are once converted to float) as (codes [out, in / 2] uint8, scale and minimum [out, in / 32]);
+    None unless that form gives back every weight bit for bit (scale * code, then + minimum, in float32).
+    The codes in engine/native/q4_linear.c's order: per 64 inputs, 16-bit word w holds inputs w, 16 + w,
+    32 + w and 48 + w in its nibbles, lowest first."""
+    out, size = weight.shape
+    if size % 64:
+        return None
+    blocks = weight.detach().float().reshape(out, size // 32, 32)
+    minimum, top = blocks.amin(dim=2), blocks.amax(dim=2)
+    scale = (top - minimum) / 15
+    step = torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
+    codes = torch.round((blocks - minimum[..., None]) / step).clamp_(0, 15)
+    if not torch.equal(codes * scale[..., None] + minimum[..., None], blocks):
+        return None
+    quarters = codes.to(torch.uint8).reshape(out, size // 64, 4, 16)  # [.., j, w]: input 16 j + w of a block
+    low, high = quarters[:, :, 0] | quarters[:, :, 1] << 4, quarters[:, :, 2] | quarters[:, :, 3] << 4
+    return torch.stack([low, high], dim=3).reshape(out, size // 2).contiguous(), scale.contiguous(), minimum.contiguous()
+
+
+def dequantize_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [out, in] of :func:`quantize_q4_exact`'s form."""
+    out = codes.shape[0]
+    pairs = codes.reshape(out, -1, 16, 2)  # [.., w, byte]
+    quarters = torch.stack([pairs[..., 0] & 15, pairs[..., 0] >> 4, pairs[..., 1] & 15, pairs[..., 1] >> 4], dim=2)
+    values = quarters.reshape(out, -1, 32).float()
+    return (values * scale.float()[..., None] + minimum.float()[..., None]).reshape(out, -1)
+
+
 def _int8_kernel_works(q: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether this backend runs the int8 weight-only kernel (else the weight is dequantized once)."""
     try:
@@ -208,30 +241,37 @@ def _can_pack(weight: torch.Tensor) -> bool:
 class Linear:
     """``y = x @ weight.T + bias`` with the weight prepared once for the backend's best kernel in
     ``precision``. ``x`` may come in any float dtype; ``y`` is in the precision's activation dtype.
-    ``quantized``: (q, scale) made earlier (the int8 cache), instead of quantizing ``weight``.
+    ``quantized``: (q, scale) made earlier (the int8 cache), instead of quantizing ``weight``; or (codes,
+    scale, minimum): a weight that already is 4-bit (:func:`quantize_q4_exact`), which the native kernel
+    reads as it is (elsewhere it is rounded to int8 like any other).
     ``invariant``: keep each row's result independent of the rows beside it (decoder layers, whose
     rows are many slots' tokens); False for layers always called with the same rows (the encoder's
     1500 rows a window), which then run the kernel as it is."""
 
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, precision: str = "float32",
-                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None, invariant: bool = True):
+                 quantized: tuple[torch.Tensor, ...] | None = None, invariant: bool = True):
         source = quantized[0] if quantized is not None else weight
-        self.out_features, self.in_features = source.shape
+        four_bit = quantized is not None and len(quantized) == 3
+        self.out_features, self.in_features = source.shape[0], source.shape[1] * (2 if four_bit else 1)
         self.device = source.device
         self.precision = precision
         self.dtype = activation_dtype(precision, self.device)
         self.bias = bias.detach().to(self.dtype).contiguous() if bias is not None else None
-        self.packed = self.weight = self.q = self.scale = None
+        self.packed = self.weight = self.q = self.scale = self.minimum = None
         self.native = False  # the group-wise int8 kernel built for this machine (engine.native)
         self.rows_rule = (1, 1 << 30)
         self.kernel_dtype = self.dtype  # what the kernel is given its rows in
         if precision == "int8":
             group = int8_group(self.in_features, self.device)
+            if four_bit and group:
+                self.minimum = quantized[2].to(self.device, torch.float32).contiguous().clone()
+            elif four_bit:  # no native kernel here: rounded to int8 like any other weight
+                weight, quantized = dequantize_q4(*quantized), None
             if quantized is None or (quantized[1].dim() == 2) != bool(group):  # none yet, or made for the other kernel
                 if weight is None:
                     weight = quantized[0].float() * _per_input(quantized[1], self.in_features)
                 quantized = quantize_int8(weight, group)
-            q, scale = quantized
+            q, scale = quantized[:2]
             self.native = bool(group)
             self.kernel_dtype = torch.float32 if self.native else int8_input_dtype(self.device)
             # Fresh copies: a tensor read from a file may sit at an address the kernel's aligned loads fault on.
@@ -262,7 +302,8 @@ class Linear:
     def nbytes(self) -> int:
         """Bytes of weight this layer reads per call."""
         if self.q is not None:
-            return self.q.numel() + self.scale.numel() * self.scale.element_size()
+            extra = self.minimum.numel() * 4 if self.minimum is not None else 0
+            return self.q.numel() + self.scale.numel() * self.scale.element_size() + extra
         return self.out_features * self.in_features * torch.tensor([], dtype=self.dtype).element_size()
 
     def _raw(self, x: torch.Tensor) -> torch.Tensor:
@@ -270,7 +311,8 @@ class Linear:
         if self.native:
             from engine import native
 
-            return native.int8_linear(x.float().contiguous(), self.q, self.scale, self.bias).to(self.dtype)
+            return native.int8_linear(x.float().contiguous(), self.q, self.scale, self.bias,
+                                      minimum=self.minimum).to(self.dtype)
         if self.q is not None:
             y = torch.ops.aten._weight_int8pack_mm(x.to(self.kernel_dtype).contiguous(), self.q, self.scale).to(self.dtype)
             return y + self.bias if self.bias is not None else y

@@ -40,7 +40,7 @@ from engine.filelock import held
 from engine.paths import cache_dir, write_json
 from engine.seam import StepBatch
 
-CHOICE_VERSION = 10  # 2: Whisper's encoder memory kept in bfloat16 (its speed and words changed); 3: a longer check clip; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8 with float32 activations on bfloat16 CPUs too, 16 lanes where AVX-512 wins; 8: int8 chat may run generated tokens on integer products (engine.native); 9: or all but the MLP's down projection; 10: 16-bit integer products (the output layer's generated rows; the down projection's, or all), the fastest way that qualifies
+CHOICE_VERSION = 11  # 2: Whisper's encoder memory kept in bfloat16 (its speed and words changed); 3: a longer check clip; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8 with float32 activations on bfloat16 CPUs too, 16 lanes where AVX-512 wins; 8: int8 chat may run generated tokens on integer products (engine.native); 9: or all but the MLP's down projection; 10: 16-bit integer products (the output layer's generated rows; the down projection's, or all), the fastest way that qualifies; 11: weights that already are 4-bit kept so
 MIN_AGREEMENT = 0.97  # chat: share of positions whose top-1 token equals float32's
 MAX_WER_RISE = 0.005  # Whisper: word error rate at most this much above float32's (0.5 points)
 CHECK_TOKENS = 48  # chat: greedy tokens per check prompt
@@ -124,13 +124,23 @@ INTEGER_WAYS = {
 }
 
 
+def four_bit_products(decoder) -> str | None:
+    """"k/n": how many of the decoder's layer products read weights kept in their own 4-bit form (int8
+    precision, engine.kernels.quantize_q4_exact); None where none does."""
+    from engine.kernels import Linear
+
+    linears = [m for layer in getattr(decoder, "layers", []) for m in vars(layer).values() if isinstance(m, Linear)]
+    kept = sum(m.minimum is not None for m in linears)
+    return f"{kept}/{len(linears)}" if kept else None
+
+
 def _chat_entry(decoder, precision: str, prompts: list[list[int]], answers: list[list[int]]) -> dict:
     """A chat candidate's quality and speed. int8 tries generated tokens on each way of integer
     products (where the decoder has them, INTEGER_WAYS) and keeps the fastest that qualifies; where
     none does, it measures int8 without them. ``integer_agreements`` records every way's agreement."""
     if precision == "float32":
         return {"agreement": 1.0, "qualifies": True, **chat_speed(decoder)}
-    integer = {}
+    integer = {"four_bit": four_bit_products(decoder)} if four_bit_products(decoder) else {}
     if precision == "int8" and decoder.use_integer_dot(True):
         best, agreements = None, {}
         for way, (down, bits) in INTEGER_WAYS.items():
@@ -142,11 +152,21 @@ def _chat_entry(decoder, precision: str, prompts: list[list[int]], answers: list
                 best = entry if best is None or entry["score"] > best["score"] else best
         if best is not None:
             decoder.use_integer_dot(True, *INTEGER_WAYS[best["integer_way"]])
-            return {**best, "integer_agreements": agreements}
+            return {**best, **integer, "integer_agreements": agreements}
         decoder.use_integer_dot(False)
-        integer = {"integer_dot": False, "integer_agreements": agreements}
+        integer.update({"integer_dot": False, "integer_agreements": agreements})
     quality = chat_agreement(decoder, prompts, answers)
     return {"agreement": round(quality, 4), "qualifies": quality >= MIN_AGREEMENT, **integer, **chat_speed(decoder)}
+
+
+def _keep_4bit_or_not(kept: dict, rounded: dict) -> dict:
+    """int8 chat's entry: with the model's 4-bit layers kept so (``kept``, exact weights) or rounded to int8
+    (``rounded``), the faster where both qualify; ``keep_4bit`` says which, ``rounded_int8`` what the other
+    measured. The engine builds the lane as recorded."""
+    use_kept = kept["qualifies"] and (not rounded["qualifies"] or kept["score"] >= rounded["score"])
+    chosen, other = (kept, rounded) if use_kept else (rounded, kept)
+    return {**chosen, "keep_4bit": use_kept, "four_bit": kept["four_bit"],
+            "other_4bit_way": {"tok_s": other["tok_s"], "agreement": other["agreement"]}}
 
 
 def chat_speed(decoder) -> dict:
@@ -303,6 +323,10 @@ def _choose(loaded, reference, build, identity: str, path: Path, use_cache: bool
             decoder = base if precision == "float32" else build(precision)
             if chat:
                 entry = _chat_entry(decoder, precision, prompts, answers)
+                if entry.get("four_bit"):  # int8 with 4-bit layers kept so: against every layer rounded to int8
+                    del decoder
+                    decoder = build(precision, keep_4bit=False)
+                    entry = _keep_4bit_or_not(entry, _chat_entry(decoder, precision, prompts, answers))
             else:
                 wer = base_wer if precision == "float32" else word_error_rate(
                     text, whisper_transcript(decoder, reference, samples))
@@ -332,7 +356,14 @@ def _why(choice: PrecisionChoice, chat: bool) -> str:
     base = choice.candidates["float32"]
     speed = (f"{best['tok_s'][1]:.0f} tok/s alone, {best['tok_s'][8]:.0f} at width 8" if chat
              else f"{best['window_ms']:.0f} ms a 30-s window")
-    way = f" (generated tokens on {best['integer_way']} integer products)" if best.get("integer_dot") else ""
+    notes = []
+    if best.get("four_bit"):  # (measured just now: tok/s keyed by width)
+        other = best["other_4bit_way"]["tok_s"]
+        other_speed = f"{other[1]:.0f} and {other[8]:.0f} tok/s"
+        notes.append(f"{best['four_bit']} layer products on the model's own 4-bit weights (rounded to int8: {other_speed})"
+                     if best["keep_4bit"] else f"its 4-bit layers rounded to int8, faster here (kept: {other_speed})")
+    notes += ([f"generated tokens on {best['integer_way']} integer products"] if best.get("integer_dot") else [])
+    way = f" ({'; '.join(notes)})" if notes else ""
     parts = [f"{choice.chosen}{way}: the fastest within quality bounds ({speed}"
              + (f", {best['score'] / base['score']:.2f}x float32)" if choice.chosen != "float32" else ")")]
     for precision, entry in choice.candidates.items():

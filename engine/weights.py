@@ -2,9 +2,12 @@
 
 int8 weights are made once per model file (symmetric, in the layout this machine's int8 kernel reads:
 groups of 32 inputs per scale, or one scale per output channel; see :mod:`engine.kernels`) and kept as
-one safetensors file in the user cache directory (``quantized/<model key>-int8-v2.safetensors``),
+one safetensors file in the user cache directory (``quantized/<model key>-int8-v3.safetensors``),
 so later loads read them instead of quantizing again. float32 and bfloat16 are plain conversions
-of the loaded weights and are not cached.
+of the loaded weights and are not cached. Where the native kernel runs, a matrix whose weights already
+are 4-bit (a model converted from a Q4_1 GGUF: a scale and a minimum per 32 inputs) is kept in that form
+instead, which gives back its float32 weights exactly in two thirds of int8's bytes (``auto`` times both
+forms on the model and keeps the faster).
 """
 
 from __future__ import annotations
@@ -15,26 +18,30 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels import Linear, int8_group, quantize_int8
+from engine import kernels
+from engine.kernels import Linear, int8_group, quantize_int8, quantize_q4_exact
 from engine.paths import cache_dir
 
 log = logging.getLogger(__name__)
-INT8_VERSION = 2  # 2: group-wise scales where the native kernel runs
+INT8_VERSION = 3  # 2: group-wise scales where the native kernel runs; 3: weights that already are 4-bit kept so
 
 
-def int8_cache_path(loaded) -> Path:
+def int8_cache_path(loaded, keep_4bit: bool = True) -> Path:
     from engine.loading import source_key
 
-    return cache_dir() / "quantized" / f"{source_key(loaded.source)}-int8-v{INT8_VERSION}.safetensors"
+    kind = "" if keep_4bit else "-without-4-bit"  # (the two never share a file)
+    return cache_dir() / "quantized" / f"{source_key(loaded.source)}-int8-v{INT8_VERSION}{kind}.safetensors"
 
 
 class WeightPrep:
     """Builds a decoder's :class:`~engine.kernels.Linear` layers in ``precision``; for int8, reads and
-    fills the model's quantized-weight cache (call :meth:`save` once every layer is built)."""
+    fills the model's quantized-weight cache (call :meth:`save` once every layer is built). ``keep_4bit``
+    (int8): keep weights that already are 4-bit so (None: engine.kernels.KEEP_4BIT)."""
 
-    def __init__(self, loaded, precision: str = "float32"):
+    def __init__(self, loaded, precision: str = "float32", keep_4bit: bool | None = None):
         self.precision = precision
-        self.path = int8_cache_path(loaded) if precision == "int8" else None
+        self.keep_4bit = kernels.KEEP_4BIT if keep_4bit is None else keep_4bit
+        self.path = int8_cache_path(loaded, self.keep_4bit) if precision == "int8" else None
         self.stored: dict[str, torch.Tensor] = {}
         self.made: dict[str, torch.Tensor] = {}
         if self.path is not None and self.path.is_file():
@@ -50,10 +57,23 @@ class WeightPrep:
     def from_cache(self) -> bool:
         return bool(self.stored) and not self.made
 
-    def _int8(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q, scale = self.stored.get(f"{name}.q"), self.stored.get(f"{name}.scale")
+    def _int8(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q, scale) int8, or (codes, scale, minimum) for a weight that already is 4-bit."""
         group = int8_group(weight.shape[1], weight.device)
-        layout = (weight.shape[0], weight.shape[1] // group) if group else (weight.shape[0],)
+        out, size = weight.shape
+        if group and weight.device.type == "cpu" and self.keep_4bit:
+            names = (f"{name}.codes", f"{name}.code_scale", f"{name}.minimum")
+            parts = tuple(self.stored.get(key) for key in names)
+            if all(p is not None for p in parts) and [tuple(p.shape) for p in parts] == \
+                    [(out, size // 2), (out, size // 32), (out, size // 32)]:
+                return parts
+            if f"{name}.q" not in self.stored:  # not known to be int8 yet
+                parts = quantize_q4_exact(weight)
+                if parts is not None:
+                    self.made.update(zip(names, parts))
+                    return parts
+        q, scale = self.stored.get(f"{name}.q"), self.stored.get(f"{name}.scale")
+        layout = (out, size // group) if group else (out,)
         if q is None or scale is None or tuple(q.shape) != tuple(weight.shape) or tuple(scale.shape) != layout:
             q, scale = quantize_int8(weight, group)
             self.made[f"{name}.q"], self.made[f"{name}.scale"] = q, scale

@@ -357,11 +357,14 @@ def test_generated_rows_may_run_the_down_projection_on_16_bit_products(smollm, m
     down projection, on the 16-bit one (as the output layer's generated rows, either way): a generated
     token's logits differ from both all-float and all-8-bit products, while prompt rows keep the float
     kernel's bits whatever is asked for generated ones."""
+    from engine import kernels
     from engine.families.llama import LlamaBatched
     from engine.seam import StepBatch
 
     monkeypatch.delenv("CADENCE_INT8_KERNEL", raising=False)
+    monkeypatch.setattr(kernels, "KEEP_4BIT", False)  # int8 weights (SmolLM2's layers are 4-bit otherwise)
     decoder = LlamaBatched(smollm, width=1, precision="int8")
+    assert decoder.layers[0].down.minimum is None
     prompt = [1, 9690, 198, 1204, 314]
 
     def logits(*integer) -> tuple[torch.Tensor, torch.Tensor]:

@@ -199,6 +199,8 @@ def test_int8_chat_keeps_integer_products_for_generated_tokens_only_where_they_q
     decoder = LlamaBatched(smollm, precision="int8")
     entry = _chat_entry(decoder, "int8", prompts, answers)
     assert "i8dot" in native.int8_kernels_here() and "integer_dot" in entry  # every AVX2 CPU has it
+    kept, products = entry["four_bit"].split("/")  # SmolLM2's layers, from a Q4_1 GGUF, keep their 4-bit weights
+    assert kept == products == str(4 * len(decoder.layers))
     agreements = entry["integer_agreements"]
     assert set(agreements) == set(INTEGER_WAYS)
     # 16-bit activations round 256 times finer than 8-bit ones: at least as close to float32
@@ -221,10 +223,11 @@ def test_int8_chat_keeps_integer_products_for_generated_tokens_only_where_they_q
         assert together == [_greedy(decoder, [p], 12)[0] for p in prompts], (down, bits)
 
 
-@pytest.mark.parametrize("way", ["8-bit but the down projection", "16-bit"])
-def test_an_auto_choice_with_integer_products_reaches_the_lane(smollm, monkeypatch, way):
+@pytest.mark.parametrize("way,keep_4bit", [("8-bit but the down projection", True), ("16-bit", False)])
+def test_an_auto_choice_with_integer_products_reaches_the_lane(smollm, monkeypatch, way, keep_4bit):
     """The engine runs what auto recorded: an int8 choice whose entry has integer_dot gets a lane whose
-    generated rows run on the integer kernels of the way recorded, and its status says so."""
+    generated rows run on the integer kernels of the way recorded, its 4-bit layers kept so or rounded to
+    int8 as recorded, and its status says so."""
     from engine import native
     from engine.calibration import device_identity
     from engine.loading import source_key
@@ -233,7 +236,7 @@ def test_an_auto_choice_with_integer_products_reaches_the_lane(smollm, monkeypat
     monkeypatch.delenv("CADENCE_INT8_KERNEL", raising=False)
     entry = {"agreement": 0.98, "qualifies": True, "integer_dot": True, "integer_way": way,
              "integer_agreements": {"8-bit": 0.96, "8-bit but the down projection": 0.975, "16-bit": 0.98},
-             "tok_s": {"1": 100.0, "8": 300.0},
+             "tok_s": {"1": 100.0, "8": 300.0}, "keep_4bit": keep_4bit, "four_bit": "120/120",
              "step_ms": {"1": 10.0, "8": 26.0}, "score": 3.0}
     float32 = {"agreement": 1.0, "qualifies": True, "tok_s": {"1": 20.0, "8": 100.0}, "step_ms": {"1": 50.0, "8": 80.0},
                "score": 1.0}
@@ -253,6 +256,7 @@ def test_an_auto_choice_with_integer_products_reaches_the_lane(smollm, monkeypat
         decoder = engine._lanes["smollm2-135m-instruct"].decoder
         assert decoder._c_layers.generated_kernels == (("i8dot", "i16dot") if way.startswith("8") else ("i16dot", "i16dot"))
         assert decoder._head_kernels == (native.int8_kernel(), "i16dot")  # the output layer's generated rows
+        assert all((layer.gate_up.minimum is not None) == keep_4bit for layer in decoder.layers)
     finally:
         engine.shutdown()
         if kept is None:

@@ -86,7 +86,7 @@ class DecoderOnly(BatchedDecoder):
     windows = False  # whether the config's sliding window applies (see sliding_window)
 
     def __init__(self, loaded: LoadedModel, width: int = 1, max_len: int | None = None,
-                 precision: str = "float32"):
+                 precision: str = "float32", keep_4bit: bool | None = None):
         hf = self._model = loaded.model
         cfg = self.config = hf.config
         self.precision = precision
@@ -99,7 +99,7 @@ class DecoderOnly(BatchedDecoder):
         self.embed = hf.model.embed_tokens.weight.detach()
         self.dtype = activation_dtype(precision, self.embed.device)
         self.cache_dtype = attention_dtype(precision, self.embed.device)
-        prep = WeightPrep(loaded, precision)
+        prep = WeightPrep(loaded, precision, keep_4bit)  # (int8: weights that already are 4-bit kept so, or not)
         self.weights_from_cache = prep.from_cache
         self.layers = [self._layer(i, layer, prep) for i, layer in enumerate(hf.model.layers)]
         self.norm = self._norm_weight(hf.model.norm)
@@ -299,7 +299,8 @@ class DecoderOnly(BatchedDecoder):
         if self._head_kernels is not None and batch.generated is not None:
             generated = batch.generated if logit_rows is None else batch.generated[logit_rows]
             logits = native.int8_linear_by_kind(hidden.float().contiguous(), self.lm_head.q, self.lm_head.scale,
-                                                self.lm_head.bias, generated.contiguous(), self._head_kernels)
+                                                self.lm_head.bias, generated.contiguous(), self._head_kernels,
+                                                self.lm_head.minimum)
         else:
             logits = self.lm_head(hidden).float()
         if self.final_softcap is not None:

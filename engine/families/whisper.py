@@ -70,7 +70,7 @@ class WhisperBatched(BatchedDecoder):
     family = "whisper"
     architecture = "whisper"
 
-    def __init__(self, loaded: LoadedModel, width: int = 1, precision: str = "float32"):
+    def __init__(self, loaded: LoadedModel, width: int = 1, precision: str = "float32", keep_4bit: bool | None = None):
         hf = loaded.model
         cfg = hf.config
         decoder = hf.model.decoder
@@ -78,7 +78,7 @@ class WhisperBatched(BatchedDecoder):
         self.precision = precision
         self.embed = decoder.embed_tokens.weight.detach()
         dtype = self.dtype = activation_dtype(precision, self.embed.device)
-        prep = WeightPrep(loaded, precision)
+        prep = WeightPrep(loaded, precision, keep_4bit)
         self.weights_from_cache = prep.from_cache
         # The encoder is compute-bound (1500 rows a window): int8 weights would only add dequantizing
         # work there, so with int8 it runs unquantized, in bfloat16 where the machine has it.

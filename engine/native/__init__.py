@@ -4,7 +4,8 @@
 :mod:`engine.kernels`), in three kernels (:data:`INT8_KERNELS`): float32 activations summed in 8 lanes
 (AVX2) or, where the processor has AVX-512, 16; or activations rounded to int8 per 32 inputs and
 multiplied as integers (llama.cpp's Q8_0 product; for generated tokens where ``auto`` finds it within
-quality bounds, :func:`int8_kernels`). They sum
+quality bounds, :func:`int8_kernels`). ``q4_linear.c``: the same products over 4-bit weights (a scale and a
+minimum per 32), for layers whose weights already are 4-bit and are kept so (:mod:`engine.kernels`). They sum
 in different orders, so which float one runs is timed once per machine and recorded beside the library,
 and every run there gives the same bits; ``layer_ops.c``: the residual add with the RMS norm after it, the rotary
 embedding, SiLU(gate) * up and the attention over the KV cache, fused for the same precision's float32
@@ -124,9 +125,11 @@ def int8_library():
             library.cadence_attend.argtypes = ([ctypes.c_void_p, ctypes.c_long] * 3 + [ctypes.c_long] * 4
                                                + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
                                                + [ctypes.c_float, ctypes.c_void_p])
-            library.cadence_int8_linear_by_kind.restype = None
+            library.cadence_int8_linear_by_kind.restype = library.cadence_q4_linear.restype = None
             library.cadence_int8_linear_by_kind.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [
-                ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+                ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+            library.cadence_q4_linear.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [
+                ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
             library.cadence_decoder_layers.restype = None
             library.cadence_decoder_layers.argtypes = ([ctypes.c_void_p] + [ctypes.c_long] * 8 + [ctypes.c_float] * 2
                                                        + [ctypes.c_void_p] + [ctypes.c_int] * 3
@@ -149,16 +152,21 @@ def int8_group() -> int:
     return library.cadence_int8_group() if library is not None else 0
 
 
-def int8_linear(x, q, scale, bias=None, kernel: str | None = None):
+def int8_linear(x, q, scale, bias=None, kernel: str | None = None, minimum=None):
     """``x @ (q * scale per group).T + bias`` for float32 CPU tensors x [rows, in], q [out, in] int8,
     scale [out, in / group] float32, bias [out] or None: a new float32 [rows, out]. ``kernel``: one of
-    INT8_KERNELS (tests, timing); None: this machine's (:func:`int8_kernel`)."""
+    INT8_KERNELS (tests, timing); None: this machine's (:func:`int8_kernel`). With ``minimum`` [out, in /
+    group], 4-bit weights: q [out, in / 2] uint8 codes (q4_linear.c), weight = scale * code + minimum."""
     import torch
 
     library = int8_library()
     rows, out = x.shape[0], q.shape[0]
     y = torch.empty(rows, out, dtype=torch.float32)
-    if rows:
+    if rows and minimum is not None:
+        library.cadence_q4_linear(x.data_ptr(), rows, x.shape[1], q.data_ptr(), scale.data_ptr(), minimum.data_ptr(),
+                                  bias.data_ptr() if bias is not None else None, out, y.data_ptr(),
+                                  list(INT8_KERNELS).index(kernel or int8_kernel()))
+    elif rows:
         run = {"f32x16": library.cadence_int8_linear16, "i8dot": library.cadence_int8_linear_int8_dot,
                "i16dot": library.cadence_int8_linear_int16_dot}.get(kernel or int8_kernel(), library.cadence_int8_linear)
         run(x.data_ptr(), rows, x.shape[1], q.data_ptr(), scale.data_ptr(),
@@ -166,10 +174,10 @@ def int8_linear(x, q, scale, bias=None, kernel: str | None = None):
     return y
 
 
-def int8_linear_by_kind(x, q, scale, bias, generated, kernels: tuple[str, str]):
+def int8_linear_by_kind(x, q, scale, bias, generated, kernels: tuple[str, str], minimum=None):
     """As :func:`int8_linear`, each row on its kind's kernel: ``generated`` (uint8 [rows]) 1 for a row of
     a generated token, 0 for a prompt's; ``kernels``: (prompt rows', generated rows') names in INT8_KERNELS.
-    A row's result depends on its own kind only."""
+    A row's result depends on its own kind only. ``minimum``: as :func:`int8_linear`."""
     import torch
 
     library = int8_library()
@@ -178,7 +186,7 @@ def int8_linear_by_kind(x, q, scale, bias, generated, kernels: tuple[str, str]):
     if rows:
         prompt, generated_kernel = (list(INT8_KERNELS).index(kernel) for kernel in kernels)
         library.cadence_int8_linear_by_kind(x.data_ptr(), rows, x.shape[1], q.data_ptr(), scale.data_ptr(),
-                                            bias.data_ptr() if bias is not None else None, out, y.data_ptr(),
+                                            _pointer(minimum), _pointer(bias), out, y.data_ptr(),
                                             generated.data_ptr(), prompt, generated_kernel)
     return y
 
@@ -363,8 +371,7 @@ class DecoderLayers:
         for i, layer in enumerate(layers):
             entries = []
             for linear in (layer.qkv, layer.out, layer.gate_up, layer.down):
-                entries += [linear.q.data_ptr(), linear.scale.data_ptr(),
-                            linear.bias.data_ptr() if linear.bias is not None else None]
+                entries += [linear.q.data_ptr(), linear.scale.data_ptr(), _pointer(linear.minimum), _pointer(linear.bias)]
             following = layers[i + 1].input_norm.data_ptr() if i + 1 < len(layers) else None
             entries += [layer.ffn_norm.data_ptr(), following, None, None]
             self.pointers[i * self.per_layer : (i + 1) * self.per_layer] = entries

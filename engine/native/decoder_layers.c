@@ -26,6 +26,9 @@ void cadence_attend(const float *q, long q_stride, const float *k, long k_stride
                     float *out);
 void cadence_silu_mul(const float *gate_up, long rows, long f, long stride, float *out);
 
+void cadence_q4_linear(const float *x, long rows, long in, const uint8_t *q, const float *scale, const float *minimum,
+                       const float *bias, long out, float *y, int kernel);
+
 typedef void (*int8_linear_fn)(const float *, long, long, const int8_t *, const float *, const float *, long, float *);
 
 static int8_linear_fn kernel_of(int kernel) {
@@ -37,23 +40,29 @@ static int8_linear_fn kernel_of(int kernel) {
 
 /* The product over every row, each run of rows of one kind (generated[r]: 1 for a generated token's row,
  * 0 for a prompt's; NULL: all prompt rows) by its kind's kernel. Every kernel sums each row alone, so a
- * row's result depends on its own kind only, never on its neighbours'. */
+ * row's result depends on its own kind only, never on its neighbours'. minimum: NULL for int8 weights (q
+ * int8), else the 4-bit weights' minimums (q their codes, q4_linear.c). */
 void cadence_int8_linear_by_kind(const float *x, long rows, long in, const int8_t *q, const float *scale,
-                                 const float *bias, long out, float *y, const uint8_t *generated,
-                                 int prompt_kernel, int generated_kernel) {
+                                 const float *minimum, const float *bias, long out, float *y,
+                                 const uint8_t *generated, int prompt_kernel, int generated_kernel) {
     for (long r0 = 0, r1; r0 < rows; r0 = r1) {
         const int kind = generated ? generated[r0] : 0;
         for (r1 = r0 + 1; r1 < rows && (generated ? generated[r1] : 0) == kind; r1++) {
         }
-        kernel_of(kind ? generated_kernel : prompt_kernel)(x + r0 * in, r1 - r0, in, q, scale, bias, out, y + r0 * out);
+        const int kernel = kind ? generated_kernel : prompt_kernel;
+        if (minimum)
+            cadence_q4_linear(x + r0 * in, r1 - r0, in, (const uint8_t *)q, scale, minimum, bias, out, y + r0 * out, kernel);
+        else
+            kernel_of(kernel)(x + r0 * in, r1 - r0, in, q, scale, bias, out, y + r0 * out);
     }
 }
 
 /* Each layer's pointers, in this order, in `layers` (PER_LAYER of them a layer): the four products' int8
- * weights, scales and biases (NULL: none), the MLP's input norm, the next layer's input norm (NULL after
- * the last layer: the residual add alone), and the layer's key and value caches. */
-enum { QKV_Q, QKV_S, QKV_B, OUT_Q, OUT_S, OUT_B, UP_Q, UP_S, UP_B, DOWN_Q, DOWN_S, DOWN_B, FFN_NORM, NEXT_NORM,
-       CACHE_K, CACHE_V, PER_LAYER };
+ * (or 4-bit) weights, scales, minimums (NULL: int8 weights) and biases (NULL: none), the MLP's input norm,
+ * the next layer's input norm (NULL after the last layer: the residual add alone), and the layer's key and
+ * value caches (last). */
+enum { QKV_Q, QKV_S, QKV_M, QKV_B, OUT_Q, OUT_S, OUT_M, OUT_B, UP_Q, UP_S, UP_M, UP_B, DOWN_Q, DOWN_S, DOWN_M, DOWN_B,
+       FFN_NORM, NEXT_NORM, CACHE_K, CACHE_V, PER_LAYER };
 
 long cadence_decoder_layers_per_layer(void) { return PER_LAYER; }
 
@@ -77,8 +86,8 @@ void cadence_decoder_layers(void *const *layers, long n_layers, const long *wind
                             const long *row_slots, const long *row_positions, long slot_stride, long head_stride,
                             float *x, float *normed, float *work) {
 #define PRODUCT_ON(input, in, which, out, y, kernel)                                                     \
-    cadence_int8_linear_by_kind(input, rows, in, p[which##_Q], p[which##_S], p[which##_B], out, y, generated, \
-                                prompt_kernel, kernel)
+    cadence_int8_linear_by_kind(input, rows, in, p[which##_Q], p[which##_S], p[which##_M], p[which##_B], out, y, \
+                                generated, prompt_kernel, kernel)
 #define PRODUCT(input, in, which, out, y) PRODUCT_ON(input, in, which, out, y, generated_kernel)
     const long width = (heads + 2 * kv_heads) * dim;
     float *qkv = work, *attended = qkv + rows * width, *h = attended + rows * heads * dim, *up = h + rows * d,
