@@ -97,10 +97,6 @@ static void dot_rows(const float *w, long n_out, const float *x, long rows, long
 
 int cadence_int8_simd(void) { return SIMD; }
 
-/* For q4_linear.c: this file's float tiles over dequantized weights (8 lanes), and its int16 rounding. */
-void cadence_float_dot_rows(const float *w, long n_out, const float *x, long rows, long in, float *y, long ldy) {
-    dot_rows(w, n_out, x, rows, in, y, ldy);
-}
 
 int cadence_int8_group(void) { return GROUP; }
 
@@ -108,23 +104,48 @@ int cadence_int8_max_in(void) { return MAX_IN; }
 
 typedef void (*dequantize_fn)(const int8_t *, const float *, long, float *);
 typedef void (*dot_rows_fn)(const float *, long, const float *, long, long, float *, long);
+typedef void (*rebuild_fn)(const void *weights, long c, long in, float *w); /* output c's weights, in float */
 
-static void int8_linear(const float *x, long rows, long in, const int8_t *q, const float *scale, const float *bias,
-                        long out, float *y, dequantize_fn deq, dot_rows_fn dot) {
-    const long groups = in / GROUP;
+/* Each thread OUT_CHUNK outputs at a time: each output's weights rebuilt in float (a per-thread buffer), then
+ * dotted with every row by DOT. */
+static void rebuilt_linear(const float *x, long rows, long in, const void *weights, rebuild_fn rebuild,
+                           const float *bias, long out, float *y, dot_rows_fn dot) {
 #pragma omp parallel
     {
         static __thread float w[OUT_CHUNK * MAX_IN] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (long o0 = 0; o0 < out; o0 += OUT_CHUNK) {
             const long n_out = o0 + OUT_CHUNK < out ? OUT_CHUNK : out - o0;
-            for (long c = 0; c < n_out; c++) deq(q + (o0 + c) * in, scale + (o0 + c) * groups, in, w + c * in);
+            for (long c = 0; c < n_out; c++) rebuild(weights, o0 + c, in, w + c * in);
             dot(w, n_out, x, rows, in, y + o0, out);
             if (bias)
                 for (long r = 0; r < rows; r++)
                     for (long o = o0; o < o0 + n_out; o++) y[r * out + o] += bias[o];
         }
     }
+}
+
+/* For q4_linear.c: rebuilt_linear on this file's 8-lane float tiles. */
+void cadence_rebuilt_linear(const float *x, long rows, long in, const void *weights, rebuild_fn rebuild,
+                            const float *bias, long out, float *y) {
+    rebuilt_linear(x, rows, in, weights, rebuild, bias, out, y, dot_rows);
+}
+
+struct int8_weights {
+    const int8_t *q;
+    const float *scale;
+    dequantize_fn dequantize;
+};
+
+static void rebuild_int8(const void *weights, long c, long in, float *w) {
+    const struct int8_weights *m = weights;
+    m->dequantize(m->q + c * in, m->scale + c * (in / GROUP), in, w);
+}
+
+static void int8_linear(const float *x, long rows, long in, const int8_t *q, const float *scale, const float *bias,
+                        long out, float *y, dequantize_fn deq, dot_rows_fn dot) {
+    const struct int8_weights weights = {q, scale, deq};
+    rebuilt_linear(x, rows, in, &weights, rebuild_int8, bias, out, y, dot);
 }
 
 /* x: [rows, in] float32, q: [out, in] int8, scale: [out, in / 32] float32, bias: [out] float32 or NULL,

@@ -26,7 +26,9 @@
 #define QROWS 16
 #define PREFETCH 2048
 
-void cadence_float_dot_rows(const float *w, long n_out, const float *x, long rows, long in, float *y, long ldy);
+typedef void (*rebuild_fn)(const void *weights, long c, long in, float *w);
+void cadence_rebuilt_linear(const float *x, long rows, long in, const void *weights, rebuild_fn rebuild,
+                            const float *bias, long out, float *y);
 
 static void add_bias(const float *bias, long rows, long out, long o0, long n_out, float *y) {
     if (bias)
@@ -75,22 +77,21 @@ static void dequantize_q4(const uint8_t *q, const float *scale, const float *min
     }
 }
 
+struct q4_weights {
+    const uint8_t *q;
+    const float *scale, *minimum;
+};
+
+static void rebuild_q4(const void *weights, long c, long in, float *w) {
+    const struct q4_weights *m = weights;
+    const long groups = in / GROUP;
+    dequantize_q4(m->q + c * (in / 2), m->scale + c * groups, m->minimum + c * groups, in, w);
+}
+
 static void q4_linear_float(const float *x, long rows, long in, const uint8_t *q, const float *scale,
                             const float *minimum, const float *bias, long out, float *y) {
-    const long groups = in / GROUP;
-#pragma omp parallel
-    {
-        static __thread float w[OUT_CHUNK * MAX_IN] __attribute__((aligned(64)));
-#pragma omp for schedule(static)
-        for (long o0 = 0; o0 < out; o0 += OUT_CHUNK) {
-            const long n_out = o0 + OUT_CHUNK < out ? OUT_CHUNK : out - o0;
-            for (long c = 0; c < n_out; c++)
-                dequantize_q4(q + (o0 + c) * (in / 2), scale + (o0 + c) * groups, minimum + (o0 + c) * groups, in,
-                              w + c * in);
-            cadence_float_dot_rows(w, n_out, x, rows, in, y + o0, out);
-            add_bias(bias, rows, out, o0, n_out, y);
-        }
-    }
+    const struct q4_weights weights = {q, scale, minimum};
+    cadence_rebuilt_linear(x, rows, in, &weights, rebuild_q4, bias, out, y);
 }
 
 #ifdef SIMD_Q4
