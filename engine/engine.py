@@ -298,10 +298,12 @@ class Engine:
     def _precision_status(self, model: str) -> dict:
         precision, choice, integer = self._precisions.get(model, (self.precision, None, {}))
         why = f"{precision}, as {'asked' if self.precision_source == 'argument' else self.precision_source}"
-        if choice is None:  # int8 asked for by name: which way its generated tokens run, and why
-            from engine.precision import asked_int8_why
+        if choice is None:  # int8 asked for by name: its 4-bit layers kept, which way generated tokens run, why
+            from engine.precision import asked_int8_why, four_bit_products
 
-            why += asked_int8_why(integer)
+            lane = self._lanes.get(model)
+            kept = four_bit_products(lane.decoder) if lane is not None and precision == "int8" else None
+            why += (f"; {kept} layer products on the model's own 4-bit weights" if kept else "") + asked_int8_why(integer)
         return {"precision": precision,
                 "precision_from": "auto" if choice is not None else self.precision_source,
                 "precision_why": choice.why if choice is not None else why,

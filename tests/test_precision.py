@@ -310,13 +310,15 @@ def test_int8_asked_by_name_runs_generated_tokens_on_16_bit_products_where_those
                 if faster:
                     assert decoder._c_layers.generated_kernels == ("i16dot", "i16dot")
                     assert decoder._head_kernels == (native.int8_kernel(), "i16dot")
-                    assert lane["precision_why"] == ("int8, as asked; generated tokens on 16-bit integer products, the "
+                    assert lane["precision_why"] == ("int8, as asked; 120/120 layer products on the model's own 4-bit "
+                                                     "weights; generated tokens on 16-bit integer products, the "
                                                      "faster here (100 tok/s alone, 300 at width 8; float activations: "
                                                      "50 and 200)")
                 else:
                     assert decoder._c_layers.generated_kernels[0] not in ("i8dot", "i16dot")
                     assert decoder._head_kernels is None
-                    assert lane["precision_why"] == ("int8, as asked; generated tokens on float activations, the faster "
+                    assert lane["precision_why"] == ("int8, as asked; 120/120 layer products on the model's own 4-bit "
+                                                     "weights; generated tokens on float activations, the faster "
                                                      "here (100 tok/s alone, 300 at width 8; 16-bit integer products: "
                                                      "50 and 200)")
             finally:
