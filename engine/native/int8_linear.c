@@ -97,7 +97,6 @@ static void dot_rows(const float *w, long n_out, const float *x, long rows, long
 
 int cadence_int8_simd(void) { return SIMD; }
 
-
 int cadence_int8_group(void) { return GROUP; }
 
 int cadence_int8_max_in(void) { return MAX_IN; }
@@ -320,8 +319,6 @@ DEFINE_QTILE(1, 1) DEFINE_QTILE(1, 2) DEFINE_QTILE(1, 3) DEFINE_QTILE(1, 4)
 
 DEFINE_QDOT_ROWS(qdot_rows, qtile, int8_t)
 
-void cadence_round_rows8(const float *x, long rows, long in, int8_t *q, float *d) { quantize_rows(x, rows, in, q, d); }
-
 int cadence_int8_has_int8_dot(void) { return 1; }
 
 /* As cadence_int8_linear, with the activations rounded to int8 as above. */
@@ -390,6 +387,7 @@ DEFINE_WTILE(1, 1) DEFINE_WTILE(1, 2) DEFINE_WTILE(1, 3) DEFINE_WTILE(1, 4)
 
 DEFINE_QDOT_ROWS(wdot_rows, wtile, int16_t)
 
+/* For q4_linear.c: rows rounded to int16 as above. */
 void cadence_round_rows16(const float *x, long rows, long in, int16_t *q, float *d) { quantize_rows16(x, rows, in, q, d); }
 
 /* As cadence_int8_linear, with the activations rounded to int16 as above. */
