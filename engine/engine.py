@@ -200,12 +200,13 @@ class Engine:
             decoder = Decoder(loaded, precision=precision, keep_4bit=keep_4bit)
             # int8 chat: generated tokens on integer products where auto measured that and it qualified,
             # or, int8 asked for by name, on the 16-bit ones where they are faster here
-            from engine.precision import INTEGER_WAYS, asked_int8_way
+            from engine.precision import INTEGER_WAYS, asked_int8_way, four_bit_products
 
             entry = choice.candidates.get(precision, {}) if choice is not None else {}
-            if choice is None and precision == "int8" and loaded.family == CHAT and not os.environ.get(
-                    "CADENCE_INT8_KERNEL"):  # (kernels asked for by name run as asked)
-                entry = asked_int8_way(decoder, key)
+            if choice is None and precision == "int8":  # (counted once, for the status line)
+                entry = {"four_bit": four_bit_products(decoder)}
+                if loaded.family == CHAT and not os.environ.get("CADENCE_INT8_KERNEL"):  # (kernels named run as named)
+                    entry.update(asked_int8_way(decoder, key))
             self._precisions[model] = (precision, choice, entry)
             integer = INTEGER_WAYS.get(entry.get("integer_way") or "")
             way = ""
@@ -299,10 +300,9 @@ class Engine:
         precision, choice, integer = self._precisions.get(model, (self.precision, None, {}))
         why = f"{precision}, as {'asked' if self.precision_source == 'argument' else self.precision_source}"
         if choice is None:  # int8 asked for by name: its 4-bit layers kept, which way generated tokens run, why
-            from engine.precision import asked_int8_why, four_bit_products
+            from engine.precision import asked_int8_why
 
-            lane = self._lanes.get(model)
-            kept = four_bit_products(lane.decoder) if lane is not None and precision == "int8" else None
+            kept = integer.get("four_bit")  # (counted when the lane was made)
             why += (f"; {kept} layer products on the model's own 4-bit weights" if kept else "") + asked_int8_why(integer)
         return {"precision": precision,
                 "precision_from": "auto" if choice is not None else self.precision_source,

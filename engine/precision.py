@@ -140,7 +140,8 @@ def _chat_entry(decoder, precision: str, prompts: list[list[int]], answers: list
     none does, it measures int8 without them. ``integer_agreements`` records every way's agreement."""
     if precision == "float32":
         return {"agreement": 1.0, "qualifies": True, **chat_speed(decoder)}
-    integer = {"four_bit": four_bit_products(decoder)} if four_bit_products(decoder) else {}
+    kept = four_bit_products(decoder)
+    integer = {"four_bit": kept} if kept else {}
     if precision == "int8" and decoder.use_integer_dot(True):
         best, agreements = None, {}
         for way, (down, bits) in INTEGER_WAYS.items():
@@ -161,7 +162,7 @@ def _chat_entry(decoder, precision: str, prompts: list[list[int]], answers: list
 
 def _keep_4bit_or_not(kept: dict, rounded: dict) -> dict:
     """int8 chat's entry: with the model's 4-bit layers kept so (``kept``, exact weights) or rounded to int8
-    (``rounded``), the faster where both qualify; ``keep_4bit`` says which, ``rounded_int8`` what the other
+    (``rounded``), the faster where both qualify; ``keep_4bit`` says which, ``other_4bit_way`` what the other
     measured. The engine builds the lane as recorded."""
     use_kept = kept["qualifies"] and (not rounded["qualifies"] or kept["score"] >= rounded["score"])
     chosen, other = (kept, rounded) if use_kept else (rounded, kept)
