@@ -150,8 +150,9 @@ KEEP_4BIT = True  # int8 precision's default: keep weights that already are 4-bi
 
 def quantize_q4_exact(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """A weight that already is 4-bit (per 32 inputs: scale * code + minimum, codes 0..15, as a GGUF's Q4_1
-    layers are once converted to float) as (codes [out, in / 2] uint8, scale and minimum [out, in / 32]);
-    None unless that form gives back every weight bit for bit (scale * code, then + minimum, in float32).
+    layers are once converted to float) as (codes [out, in / 2] uint8, scale and minimum [out, in / 32]
+    float16: the GGUF's own half floats); None unless that form gives back every weight bit for bit (scale
+    * code, then + minimum, in float32, from the half floats widened).
     The codes in engine/native/q4_linear.c's order: per 64 inputs, 16-bit word w holds inputs w, 16 + w,
     32 + w and 48 + w in its nibbles, lowest first."""
     out, size = weight.shape
@@ -159,10 +160,12 @@ def quantize_q4_exact(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
         return None
     blocks = weight.detach().float().reshape(out, size // 32, 32)
     minimum, top = blocks.amin(dim=2), blocks.amax(dim=2)
-    scale = (top - minimum) / 15
-    step = torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
-    codes = torch.round((blocks - minimum[..., None]) / step).clamp_(0, 15)
-    if not torch.equal(codes * scale[..., None] + minimum[..., None], blocks):
+    scale = ((top - minimum) / 15).half()
+    minimum = minimum.half()
+    wide_scale, wide_minimum = scale.float()[..., None], minimum.float()[..., None]
+    step = torch.where(wide_scale > 0, wide_scale, torch.ones_like(wide_scale))
+    codes = torch.round((blocks - wide_minimum) / step).clamp_(0, 15)
+    if not torch.equal(codes * wide_scale + wide_minimum, blocks):
         return None
     quarters = codes.to(torch.uint8).reshape(out, size // 64, 4, 16)  # [.., j, w]: input 16 j + w of a block
     low, high = quarters[:, :, 0] | quarters[:, :, 1] << 4, quarters[:, :, 2] | quarters[:, :, 3] << 4
@@ -264,7 +267,7 @@ class Linear:
         if precision == "int8":
             group = int8_group(self.in_features, self.device)
             if four_bit and group:
-                self.minimum = quantized[2].to(self.device, torch.float32).contiguous().clone()
+                self.minimum = quantized[2].to(self.device, torch.float16).contiguous().clone()
             elif four_bit:  # no native kernel here: rounded to int8 like any other weight
                 weight, quantized = dequantize_q4(*quantized), None
             if quantized is None or (quantized[1].dim() == 2) != bool(group):  # none yet, or made for the other kernel
@@ -276,7 +279,8 @@ class Linear:
             self.kernel_dtype = torch.float32 if self.native else int8_input_dtype(self.device)
             # Fresh copies: a tensor read from a file may sit at an address the kernel's aligned loads fault on.
             self.q = q.to(self.device).contiguous().clone()
-            self.scale = scale.to(self.device, self.kernel_dtype).contiguous().clone()
+            scale_dtype = torch.float16 if self.minimum is not None else self.kernel_dtype  # 4-bit: half floats
+            self.scale = scale.to(self.device, scale_dtype).contiguous().clone()
             if self.native:
                 self.bias = self.bias.float() if self.bias is not None else None
             elif self.device.type != "cpu" and not _int8_kernel_works(self.q, self.scale):
@@ -302,7 +306,7 @@ class Linear:
     def nbytes(self) -> int:
         """Bytes of weight this layer reads per call."""
         if self.q is not None:
-            extra = self.minimum.numel() * 4 if self.minimum is not None else 0
+            extra = self.minimum.numel() * self.minimum.element_size() if self.minimum is not None else 0
             return self.q.numel() + self.scale.numel() * self.scale.element_size() + extra
         return self.out_features * self.in_features * torch.tensor([], dtype=self.dtype).element_size()
 

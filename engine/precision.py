@@ -40,7 +40,7 @@ from engine.filelock import held
 from engine.paths import cache_dir, write_json
 from engine.seam import StepBatch
 
-CHOICE_VERSION = 11  # 2: Whisper's encoder memory kept in bfloat16 (its speed and words changed); 3: a longer check clip; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8 with float32 activations on bfloat16 CPUs too, 16 lanes where AVX-512 wins; 8: int8 chat may run generated tokens on integer products (engine.native); 9: or all but the MLP's down projection; 10: 16-bit integer products (the output layer's generated rows; the down projection's, or all), the fastest way that qualifies; 11: weights that already are 4-bit kept so
+CHOICE_VERSION = 12  # 2: Whisper's encoder memory kept in bfloat16 (its speed and words changed); 3: a longer check clip; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8 with float32 activations on bfloat16 CPUs too, 16 lanes where AVX-512 wins; 8: int8 chat may run generated tokens on integer products (engine.native); 9: or all but the MLP's down projection; 10: 16-bit integer products (the output layer's generated rows; the down projection's, or all), the fastest way that qualifies; 11: weights that already are 4-bit kept so; 12: their scales and minimums in half floats
 MIN_AGREEMENT = 0.97  # chat: share of positions whose top-1 token equals float32's
 MAX_WER_RISE = 0.005  # Whisper: word error rate at most this much above float32's (0.5 points)
 CHECK_TOKENS = 48  # chat: greedy tokens per check prompt

@@ -31,11 +31,19 @@ def test_only_weights_that_are_4_bit_are_kept_so_and_they_come_back_exactly(smol
         codes, scale, minimum = parts
         assert codes.dtype == torch.uint8 and codes.shape == (weight.shape[0], weight.shape[1] // 2)
         assert scale.shape == minimum.shape == (weight.shape[0], weight.shape[1] // 32)
+        assert scale.dtype == minimum.dtype == torch.float16  # the GGUF's own half floats, 0.625 bytes a weight
         assert torch.equal(dequantize_q4(*parts), weight.detach().float())
     # float weights, an int8 grid (the output layer is Q8_0), and a width the kernel's blocks do not divide
     assert quantize_q4_exact(torch.randn(64, 128)) is None
     assert quantize_q4_exact(smollm.model.model.embed_tokens.weight[:256]) is None
     assert quantize_q4_exact(four_bit_weight(8, 96, 2)) is None
+    # 4-bit, but with a float32 scale no half float holds: not kept (it would not come back exactly)
+    codes = torch.randint(0, 16, (8, 4, 32), generator=torch.Generator().manual_seed(3)).float()
+    codes[..., 0], codes[..., 1] = 0, 15
+    odd = codes * (2.0 ** -10 * (1 + 2.0 ** -15))  # exact in float32 (20 bits), not in a half float (11)
+    assert torch.equal(odd / odd.amax(dim=2, keepdim=True) * 15, codes)
+    assert quantize_q4_exact(odd.reshape(8, 128)) is None
+    assert quantize_q4_exact((codes * 2.0 ** -10).reshape(8, 128)) is not None  # the same with a half float scale
 
 
 @pytest.mark.parametrize("out,size,with_bias", [(960, 576, True), (576, 1536, False), (51, 64, True)])

@@ -26,8 +26,8 @@ void cadence_attend(const float *q, long q_stride, const float *k, long k_stride
                     float *out);
 void cadence_silu_mul(const float *gate_up, long rows, long f, long stride, float *out);
 
-void cadence_q4_linear(const float *x, long rows, long in, const uint8_t *q, const float *scale, const float *minimum,
-                       const float *bias, long out, float *y, int kernel);
+void cadence_q4_linear(const float *x, long rows, long in, const uint8_t *q, const uint16_t *scale,
+                       const uint16_t *minimum, const float *bias, long out, float *y, int kernel);
 
 typedef void (*int8_linear_fn)(const float *, long, long, const int8_t *, const float *, const float *, long, float *);
 
@@ -41,9 +41,10 @@ static int8_linear_fn kernel_of(int kernel) {
 /* The product over every row, each run of rows of one kind (generated[r]: 1 for a generated token's row,
  * 0 for a prompt's; NULL: all prompt rows) by its kind's kernel. Every kernel sums each row alone, so a
  * row's result depends on its own kind only, never on its neighbours'. minimum: NULL for int8 weights (q
- * int8), else the 4-bit weights' minimums (q their codes, q4_linear.c). */
-void cadence_int8_linear_by_kind(const float *x, long rows, long in, const int8_t *q, const float *scale,
-                                 const float *minimum, const float *bias, long out, float *y,
+ * int8, scale float32), else the 4-bit weights' minimums (q their codes, scale and minimum half floats:
+ * q4_linear.c). */
+void cadence_int8_linear_by_kind(const float *x, long rows, long in, const int8_t *q, const void *scale,
+                                 const void *minimum, const float *bias, long out, float *y,
                                  const uint8_t *generated, int prompt_kernel, int generated_kernel) {
     for (long r0 = 0, r1; r0 < rows; r0 = r1) {
         const int kind = generated ? generated[r0] : 0;
@@ -53,7 +54,7 @@ void cadence_int8_linear_by_kind(const float *x, long rows, long in, const int8_
         if (minimum)
             cadence_q4_linear(x + r0 * in, r1 - r0, in, (const uint8_t *)q, scale, minimum, bias, out, y + r0 * out, kernel);
         else
-            kernel_of(kernel)(x + r0 * in, r1 - r0, in, q, scale, bias, out, y + r0 * out);
+            kernel_of(kernel)(x + r0 * in, r1 - r0, in, q, (const float *)scale, bias, out, y + r0 * out);
     }
 }
 

@@ -117,7 +117,7 @@ void cadence_rotary(float *x, long rows, long stride, long heads, long dim, cons
  * - dot4: four such dots at once (independent chains that overlap), each summed exactly as dot sums it;
  * - weigh: o[i] = (sum over j of w[j] * v[j][i], in order of j) * inv;
  * - attend_one: one query head over n keys and values: softmax(q . k * scale) . v (weights: n floats). */
-static inline float half_to_float(uint16_t h) {
+float cadence_half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
     float value;
     if (exponent == 0) value = ldexpf((float)mantissa, -24); /* zero or subnormal */
@@ -129,7 +129,7 @@ static inline float half_to_float(uint16_t h) {
 }
 
 #define LOAD1_f32(p) (*(p))
-#define LOAD1_f16(p) half_to_float(*(p))
+#define LOAD1_f16(p) cadence_half_to_float(*(p))
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define VECTOR 1
 #define LOAD8_f32(p) _mm256_loadu_ps(p)

@@ -1,13 +1,15 @@
 /* Matrix products over 4-bit weights, for layers whose weights already are 4-bit: a model converted from
  * a GGUF file in Q4_1 (the registry's SmolLM2) holds, in each group of 32 inputs, weights that are exactly
  * scale * code + minimum with codes 0..15. engine/kernels.py stores such a layer in this form only where it
- * gives back every weight bit for bit, so these products read the float32 model's own weights in 0.75 bytes
+ * gives back every weight bit for bit, so these products read the float32 model's own weights in 0.625 bytes
  * a weight (int8 groups take 1.125, and round the weights).
  *
  * q: [out, in / 2] bytes, read as 16-bit words: in each block of 64 inputs (two groups, 16 words), word w
  * holds inputs w, 16 + w, 32 + w and 48 + w in its four nibbles, lowest first, so four shifts and masks of
  * one 32-byte load give the block's codes as four vectors of 16 int16 in input order. scale, minimum:
- * [out, in / 32] float32; y[r, o] = bias[o] + sum_i x[r, i] * (scale * code + minimum). `in`: a multiple of 64.
+ * [out, in / 32] IEEE half floats (the GGUF's own: engine/kernels.py keeps a layer so only where they are
+ * exact; 0.625 bytes a weight in all, as llama.cpp's Q4_1), widened to float32 exactly where used;
+ * y[r, o] = bias[o] + sum_i x[r, i] * (scale * code + minimum). `in`: a multiple of 64.
  * By the kernel number of engine.native.INT8_KERNELS:
  * - 0, 1 (float activations): each output's weights rebuilt in float (scale * code, then + minimum: the
  *   same two roundings as the check that stored them) and dotted with every row by int8_linear.c's tiles;
@@ -25,6 +27,15 @@
 #define MAX_IN 16384
 #define QROWS 16
 #define PREFETCH 2048
+#define MAX_TILE 8 /* outputs x rows of the largest integer tile */
+
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
+float cadence_half_to_float(uint16_t h); /* layer_ops.c: the same value, in plain C */
+#define half_to_float cadence_half_to_float
+#endif
 
 typedef void (*rebuild_fn)(const void *weights, long c, long in, float *w);
 void cadence_rebuilt_linear(const float *x, long rows, long in, const void *weights, rebuild_fn rebuild,
@@ -36,8 +47,7 @@ static void add_bias(const float *bias, long rows, long out, long o0, long n_out
             for (long o = o0; o < o0 + n_out; o++) y[r * out + o] += bias[o];
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SIMD_Q4 1
 
 /* One block's 64 codes as four vectors of 16 int16 (inputs 0-15, 16-31, 32-47, 48-63). */
@@ -52,7 +62,7 @@ static inline void unpack_block(const uint8_t *b, __m256i v[4]) {
 
 /* One output's weights in float: w[i] = scale * code + minimum, rounded after the product and after the sum
  * (no fused multiply-add: -std=c11 contracts nothing, and the vector way multiplies, then adds). */
-static void dequantize_q4(const uint8_t *q, const float *scale, const float *minimum, long in, float *w) {
+static void dequantize_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *minimum, long in, float *w) {
     for (long k = 0; k < in / BLOCK; k++) {
         const uint8_t *b = q + k * (BLOCK / 2);
         float *wb = w + k * BLOCK;
@@ -61,7 +71,8 @@ static void dequantize_q4(const uint8_t *q, const float *scale, const float *min
         __m256i v[4];
         unpack_block(b, v);
         for (int j = 0; j < 4; j++) {
-            const __m256 d = _mm256_set1_ps(scale[2 * k + j / 2]), m = _mm256_set1_ps(minimum[2 * k + j / 2]);
+            const __m256 d = _mm256_set1_ps(half_to_float(scale[2 * k + j / 2]));
+            const __m256 m = _mm256_set1_ps(half_to_float(minimum[2 * k + j / 2]));
             const __m256i lo = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(v[j]));
             const __m256i hi = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(v[j], 1));
             _mm256_storeu_ps(wb + 16 * j, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), d), m));
@@ -70,8 +81,8 @@ static void dequantize_q4(const uint8_t *q, const float *scale, const float *min
 #else
         for (int i = 0; i < BLOCK; i++) {
             const int word = b[2 * (i % 16)] | b[2 * (i % 16) + 1] << 8;
-            const float product = scale[2 * k + i / GROUP] * (float)((word >> (4 * (i / 16))) & 15);
-            wb[i] = product + minimum[2 * k + i / GROUP];
+            const float product = half_to_float(scale[2 * k + i / GROUP]) * (float)((word >> (4 * (i / 16))) & 15);
+            wb[i] = product + half_to_float(minimum[2 * k + i / GROUP]);
         }
 #endif
     }
@@ -79,7 +90,7 @@ static void dequantize_q4(const uint8_t *q, const float *scale, const float *min
 
 struct q4_weights {
     const uint8_t *q;
-    const float *scale, *minimum;
+    const uint16_t *scale, *minimum;
 };
 
 static void rebuild_q4(const void *weights, long c, long in, float *w) {
@@ -88,8 +99,8 @@ static void rebuild_q4(const void *weights, long c, long in, float *w) {
     dequantize_q4(m->q + c * (in / 2), m->scale + c * groups, m->minimum + c * groups, in, w);
 }
 
-static void q4_linear_float(const float *x, long rows, long in, const uint8_t *q, const float *scale,
-                            const float *minimum, const float *bias, long out, float *y) {
+static void q4_linear_float(const float *x, long rows, long in, const uint8_t *q, const uint16_t *scale,
+                            const uint16_t *minimum, const float *bias, long out, float *y) {
     const struct q4_weights weights = {q, scale, minimum};
     cadence_rebuilt_linear(x, rows, in, &weights, rebuild_q4, bias, out, y);
 }
@@ -105,20 +116,37 @@ static inline float hsum8(__m256 v) {
 }
 
 /* The sum over groups of minimum * scale * sum(xq): 8 groups a lane, then the lanes and the rest, in order. */
-static inline float minimum_part(const float *m, const float *xsum, long groups) {
+static inline float minimum_part(const uint16_t *m, const float *xsum, long groups) {
     __m256 acc = _mm256_setzero_ps();
     long g = 0;
-    for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + g), _mm256_loadu_ps(xsum + g), acc);
+    for (; g + 8 <= groups; g += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g))), _mm256_loadu_ps(xsum + g), acc);
     float total = hsum8(acc);
-    for (; g < groups; g++) total = __builtin_fmaf(m[g], xsum[g], total);
+    for (; g < groups; g++) total = __builtin_fmaf(half_to_float(m[g]), xsum[g], total);
     return total;
+}
+
+/* prod[(c * RB + r) * groups + g] = scale of output c's group g * scale of row r's group g, for a tile. */
+static inline void scale_products(const uint16_t *sw, const float *sx, long groups, int ob, int rb, float *prod) {
+    for (int c = 0; c < ob; c++) {
+        long g = 0;
+        for (; g + 8 <= groups; g += 8) {
+            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sw + c * groups + g)));
+            for (int r = 0; r < rb; r++)
+                _mm256_storeu_ps(prod + (c * rb + r) * groups + g, _mm256_mul_ps(s, _mm256_loadu_ps(sx + r * groups + g)));
+        }
+        for (; g < groups; g++)
+            for (int r = 0; r < rb; r++) prod[(c * rb + r) * groups + g] = half_to_float(sw[c * groups + g]) * sx[r * groups + g];
+    }
 }
 
 /* q4tile_OB_RB: OB outputs against RB rows rounded to int16 (x; sx their scales, xsum scale * sum of each group). */
 #define DEFINE_Q4TILE(OB, RB)                                                                            \
-    static void q4tile_##OB##_##RB(const uint8_t *w, const float *sw, const float *mw, const int16_t *x,  \
+    static void q4tile_##OB##_##RB(const uint8_t *w, const uint16_t *sw, const uint16_t *mw, const int16_t *x, \
                                    const float *sx, const float *xsum, long in, float *y, long ldy) {    \
         const long groups = in / GROUP, half = in / 2;                                                   \
+        float prod[MAX_TILE * MAX_IN / GROUP];                                                            \
+        scale_products(sw, sx, groups, OB, RB, prod);                                                    \
         __m256 acc[OB][RB];                                                                              \
         _Pragma("GCC unroll 8") for (int c = 0; c < OB; c++)                                             \
             _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) acc[c][r] = _mm256_setzero_ps();         \
@@ -136,7 +164,7 @@ static inline float minimum_part(const float *m, const float *xsum, long groups)
                             _mm256_madd_epi16(v[2 * j], _mm256_loadu_si256((const __m256i *)xg)),        \
                             _mm256_madd_epi16(v[2 * j + 1], _mm256_loadu_si256((const __m256i *)(xg + 16)))); \
                         acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),                             \
-                                                    _mm256_set1_ps(sw[c * groups + g] * sx[r * groups + g]), acc[c][r]); \
+                                                    _mm256_broadcast_ss(prod + (c * RB + r) * groups + g), acc[c][r]); \
                     }                                                                                    \
                 }                                                                                        \
             }                                                                                            \
@@ -155,7 +183,7 @@ DEFINE_Q4TILE(1, 1) DEFINE_Q4TILE(1, 2) DEFINE_Q4TILE(1, 3) DEFINE_Q4TILE(1, 4)
         for (; c < n_out; c++) q4tile_1_##RB(w + c * half, sw + c * groups, mw + c * groups, xr, sxr, sumr, in, yr + c, ldy); \
         break;
 
-static void q4_dot_rows(const uint8_t *w, const float *sw, const float *mw, long n_out, const int16_t *x,
+static void q4_dot_rows(const uint8_t *w, const uint16_t *sw, const uint16_t *mw, long n_out, const int16_t *x,
                         const float *sx, const float *xsum, long rows, long in, float *y, long ldy) {
     const long groups = in / GROUP, half = in / 2;
     for (long r0 = 0; r0 < rows; r0 += 4) {
@@ -168,8 +196,8 @@ static void q4_dot_rows(const uint8_t *w, const float *sw, const float *mw, long
     }
 }
 
-static void q4_linear_int16(const float *x, long rows, long in, const uint8_t *q, const float *scale,
-                            const float *minimum, const float *bias, long out, float *y) {
+static void q4_linear_int16(const float *x, long rows, long in, const uint8_t *q, const uint16_t *scale,
+                            const uint16_t *minimum, const float *bias, long out, float *y) {
     const long groups = in / GROUP;
 #pragma omp parallel
     {
@@ -200,7 +228,7 @@ static void q4_linear_int16(const float *x, long rows, long in, const uint8_t *q
 
 /* x: [rows, in] float32; q, scale, minimum as above; bias [out] or NULL; y: [rows, out]. kernel: 0-3 as
  * engine.native.INT8_KERNELS: 0 and 1 the float way, 2 and 3 (the integer ones) the int16 way. */
-void cadence_q4_linear(const float *x, long rows, long in, const uint8_t *q, const float *scale, const float *minimum,
-                       const float *bias, long out, float *y, int kernel) {
+void cadence_q4_linear(const float *x, long rows, long in, const uint8_t *q, const uint16_t *scale,
+                       const uint16_t *minimum, const float *bias, long out, float *y, int kernel) {
     (kernel >= 2 ? INTEGER_WAY : q4_linear_float)(x, rows, in, q, scale, minimum, bias, out, y);
 }
