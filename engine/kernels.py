@@ -153,8 +153,8 @@ def quantize_q4_exact(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     layers are once converted to float) as (codes [out, in / 2] uint8, scale and minimum [out, in / 32]
     float16: the GGUF's own half floats); None unless that form gives back every weight bit for bit (scale
     * code, then + minimum, in float32, from the half floats widened).
-    The codes in engine/native/q4_linear.c's order: per 64 inputs, 16-bit word w holds inputs w, 16 + w,
-    32 + w and 48 + w in its nibbles, lowest first."""
+    The codes in engine/native/q4_linear.c's order: per 64 inputs, byte i holds input i's code in its low
+    nibble and input 32 + i's in its high one."""
     out, size = weight.shape
     if size % 64:
         return None
@@ -167,17 +167,16 @@ def quantize_q4_exact(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     codes = torch.round((blocks - wide_minimum) / step).clamp_(0, 15)
     if not torch.equal(codes * wide_scale + wide_minimum, blocks):
         return None
-    quarters = codes.to(torch.uint8).reshape(out, size // 64, 4, 16)  # [.., j, w]: input 16 j + w of a block
-    low, high = quarters[:, :, 0] | quarters[:, :, 1] << 4, quarters[:, :, 2] | quarters[:, :, 3] << 4
-    return torch.stack([low, high], dim=3).reshape(out, size // 2).contiguous(), scale.contiguous(), minimum.contiguous()
+    pairs = codes.to(torch.uint8).reshape(out, size // 64, 2, 32)  # [.., group of the block, input in it]
+    packed = pairs[:, :, 0] | pairs[:, :, 1] << 4
+    return packed.reshape(out, size // 2).contiguous(), scale.contiguous(), minimum.contiguous()
 
 
 def dequantize_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
     """The float32 weight [out, in] of :func:`quantize_q4_exact`'s form."""
     out = codes.shape[0]
-    pairs = codes.reshape(out, -1, 16, 2)  # [.., w, byte]
-    quarters = torch.stack([pairs[..., 0] & 15, pairs[..., 0] >> 4, pairs[..., 1] & 15, pairs[..., 1] >> 4], dim=2)
-    values = quarters.reshape(out, -1, 32).float()
+    blocks = codes.reshape(out, -1, 1, 32)  # [.., block, 1, byte]
+    values = torch.cat([blocks & 15, blocks >> 4], dim=2).reshape(out, -1, 32).float()
     return (values * scale.float()[..., None] + minimum.float()[..., None]).reshape(out, -1)
 
 

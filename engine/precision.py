@@ -40,7 +40,7 @@ from engine.filelock import held
 from engine.paths import cache_dir, write_json
 from engine.seam import StepBatch
 
-CHOICE_VERSION = 12  # 2: Whisper's encoder memory kept in bfloat16 (its speed and words changed); 3: a longer check clip; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8 with float32 activations on bfloat16 CPUs too, 16 lanes where AVX-512 wins; 8: int8 chat may run generated tokens on integer products (engine.native); 9: or all but the MLP's down projection; 10: 16-bit integer products (the output layer's generated rows; the down projection's, or all), the fastest way that qualifies; 11: weights that already are 4-bit kept so; 12: their scales and minimums in half floats
+CHOICE_VERSION = 13  # 2: Whisper's encoder memory kept in bfloat16 (its speed and words changed); 3: a longer check clip; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8 with float32 activations on bfloat16 CPUs too, 16 lanes where AVX-512 wins; 8: int8 chat may run generated tokens on integer products (engine.native); 9: or all but the MLP's down projection; 10: 16-bit integer products (the output layer's generated rows; the down projection's, or all), the fastest way that qualifies; 11: weights that already are 4-bit kept so; 12: their scales and minimums in half floats; 13: and 8-bit integer products of their own
 MIN_AGREEMENT = 0.97  # chat: share of positions whose top-1 token equals float32's
 MAX_WER_RISE = 0.005  # Whisper: word error rate at most this much above float32's (0.5 points)
 CHECK_TOKENS = 48  # chat: greedy tokens per check prompt
@@ -116,6 +116,7 @@ def chat_agreement(candidate, prompts: list[list[int]], answers: list[list[int]]
     return sum(p == e for p, e in zip(picks, expected)) / max(len(expected), 1)
 
 
+EXACTNESS_MARGIN = 0.05  # how much faster a way of integer products must be to win over one that agrees more
 # int8 chat's ways of running generated tokens on integer products: name -> (use_integer_dot's down, bits)
 INTEGER_WAYS = {
     "8-bit": (True, 8),
@@ -134,10 +135,22 @@ def four_bit_products(decoder) -> str | None:
     return f"{kept}/{len(linears)}" if kept else None
 
 
+def _better(way: dict, than: dict) -> bool:
+    """Whether one qualifying way of integer products beats another: the less exact (lower agreement) must be
+    faster by more than EXACTNESS_MARGIN, the more exact need only not be slower by as much (one timing moves
+    by a few percent on a busy machine: a tie goes to the way that agrees more)."""
+    if way["agreement"] == than["agreement"]:
+        return way["score"] > than["score"]
+    if way["agreement"] < than["agreement"]:
+        return way["score"] > than["score"] * (1 + EXACTNESS_MARGIN)
+    return way["score"] * (1 + EXACTNESS_MARGIN) >= than["score"]
+
+
 def _chat_entry(decoder, precision: str, prompts: list[list[int]], answers: list[list[int]]) -> dict:
     """A chat candidate's quality and speed. int8 tries generated tokens on each way of integer
     products (where the decoder has them, INTEGER_WAYS) and keeps the fastest that qualifies; where
-    none does, it measures int8 without them. ``integer_agreements`` records every way's agreement."""
+    none does, it measures int8 without them. ``integer_agreements`` records every way's agreement,
+    ``integer_tok_s`` each qualifying way's speed."""
     if precision == "float32":
         return {"agreement": 1.0, "qualifies": True, **chat_speed(decoder)}
     kept = four_bit_products(decoder)
@@ -146,14 +159,17 @@ def _chat_entry(decoder, precision: str, prompts: list[list[int]], answers: list
         best, agreements = None, {}
         for way, (down, bits) in INTEGER_WAYS.items():
             decoder.use_integer_dot(True, down=down, bits=bits)
-            quality = agreements[way] = round(chat_agreement(decoder, prompts, answers), 4)
-            if quality >= MIN_AGREEMENT:
-                entry = {"agreement": quality, "qualifies": True, "integer_dot": True, "integer_way": way,
-                         **chat_speed(decoder)}
-                best = entry if best is None or entry["score"] > best["score"] else best
+            agreements[way] = round(chat_agreement(decoder, prompts, answers), 4)
+        qualified = [way for way, quality in agreements.items() if quality >= MIN_AGREEMENT]
+        speeds = _interleaved_speeds(decoder, qualified)
+        for way in qualified:
+            entry = {"agreement": agreements[way], "qualifies": True, "integer_dot": True, "integer_way": way,
+                     **speeds[way]}
+            best = entry if best is None or _better(entry, best) else best
         if best is not None:
             decoder.use_integer_dot(True, *INTEGER_WAYS[best["integer_way"]])
-            return {**best, **integer, "integer_agreements": agreements}
+            return {**best, **integer, "integer_agreements": agreements,
+                    "integer_tok_s": {way: speeds[way]["tok_s"] for way in qualified}}
         decoder.use_integer_dot(False)
         integer.update({"integer_dot": False, "integer_agreements": agreements})
     quality = chat_agreement(decoder, prompts, answers)
@@ -173,9 +189,28 @@ def _keep_4bit_or_not(kept: dict, rounded: dict) -> dict:
 def chat_speed(decoder) -> dict:
     from engine.calibration import time_step
 
-    ms = {w: round(time_step(decoder, w), 3) for w in (1, 8)}
+    return _speed_entry({w: time_step(decoder, w) for w in (1, 8)})
+
+
+def _speed_entry(ms: dict) -> dict:
     tok_s = {w: round(w * 1000 / m, 1) for w, m in ms.items()}
-    return {"step_ms": ms, "tok_s": tok_s, "score": round(math.sqrt(tok_s[1] * tok_s[8]), 2)}
+    return {"step_ms": {w: round(m, 3) for w, m in ms.items()}, "tok_s": tok_s,
+            "score": round(math.sqrt(tok_s[1] * tok_s[8]), 2)}
+
+
+def _interleaved_speeds(decoder, ways: list[str], rounds: int = 3) -> dict:
+    """chat_speed of each way of integer products, the ways timed in turn ``rounds`` times and each kept at
+    its best: ways a few percent apart are compared at the same moments of a busy machine, not one after
+    the other. The decoder is left on no way in particular (the caller sets the chosen one)."""
+    from engine.calibration import time_step
+
+    best: dict = {way: {} for way in ways}
+    for _ in range(rounds if len(ways) > 1 else 1):
+        for way in ways:
+            decoder.use_integer_dot(True, *INTEGER_WAYS[way])
+            for w in (1, 8):
+                best[way][w] = min(best[way].get(w, math.inf), time_step(decoder, w))
+    return {way: _speed_entry(ms) for way, ms in best.items()}
 
 
 ASKED_INT8_WAY = "16-bit"  # int8 asked for by name: the way whose products stay as close as float activations'

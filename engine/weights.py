@@ -2,7 +2,7 @@
 
 int8 weights are made once per model file (symmetric, in the layout this machine's int8 kernel reads:
 groups of 32 inputs per scale, or one scale per output channel; see :mod:`engine.kernels`) and kept as
-one safetensors file in the user cache directory (``quantized/<model key>-int8-v4.safetensors``),
+one safetensors file in the user cache directory (``quantized/<model key>-int8-v5.safetensors``),
 so later loads read them instead of quantizing again. float32 and bfloat16 are plain conversions
 of the loaded weights and are not cached. Where the native kernel runs, a matrix whose weights already
 are 4-bit (a model converted from a Q4_1 GGUF: a scale and a minimum per 32 inputs, both half floats) is
@@ -23,8 +23,8 @@ from engine.kernels import Linear, int8_group, quantize_int8, quantize_q4_exact
 from engine.paths import cache_dir
 
 log = logging.getLogger(__name__)
-INT8_VERSION = 4  # 2: group-wise scales where the native kernel runs; 3: weights that already are 4-bit kept so;
-# 4: their scales and minimums as half floats
+INT8_VERSION = 5  # 2: group-wise scales where the native kernel runs; 3: weights that already are 4-bit kept so;
+# 4: their scales and minimums as half floats; 5: their codes a group to a nibble of each byte
 
 
 def int8_cache_path(loaded, keep_4bit: bool = True) -> Path:

@@ -46,6 +46,16 @@ def test_only_weights_that_are_4_bit_are_kept_so_and_they_come_back_exactly(smol
     assert quantize_q4_exact((codes * 2.0 ** -10).reshape(8, 128)) is not None  # the same with a half float scale
 
 
+def rounded(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """Rows rounded as the integer kernels round them: per 32 inputs to integers in [-levels, levels] (scale:
+    the group's largest magnitude / levels, to nearest even), given back in float."""
+    groups = x.view(x.shape[0], -1, 32)
+    largest = groups.abs().amax(dim=2, keepdim=True)
+    inverse = torch.full_like(largest, levels) / largest  # (as the kernel divides: see tests/test_native.py)
+    integers = torch.round(groups * torch.where(largest > 0, inverse, torch.zeros_like(largest)))
+    return (integers.double() * (largest / levels).double()).view_as(x)
+
+
 @pytest.mark.parametrize("out,size,with_bias", [(960, 576, True), (576, 1536, False), (51, 64, True)])
 def test_4_bit_products_are_the_float_products_and_each_rows_own(out, size, with_bias):
     weight = four_bit_weight(out, size, out)
@@ -53,11 +63,17 @@ def test_4_bit_products_are_the_float_products_and_each_rows_own(out, size, with
     generator = torch.Generator().manual_seed(size)
     bias = torch.randn(out, generator=generator) if with_bias else None
     x = torch.randn(40, size, generator=generator) * torch.rand(40, 1, generator=generator) * 4
-    exact = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
-    # float activations: float32 sums of the exact weights; int16-rounded ones: within a hundredth of a percent
-    for kernel, closeness in (("f32x8", 1e-6), ("i16dot", 1e-4), ("i8dot", 1e-4)):
+    x[0, :32] = 0  # an all-zero group rounds to zeros
+    with_bias_d = bias.double() if with_bias else 0
+    exact = x.double() @ weight.double().T + with_bias_d
+    # float activations: float32 sums of the exact weights; rows rounded to int16 (int8): the exact product of
+    # that rounding up to float32 sums, within a hundredth of a percent (about half a percent) of the float one
+    for kernel, levels, closeness in (("f32x8", 0, 1e-6), ("i16dot", 32767, 1e-4), ("i8dot", 127, 0.02)):
         y = native.int8_linear(x, codes, scale, bias, kernel, minimum=minimum)
         assert y.shape == (40, out) and (y.double() - exact).norm() <= closeness * exact.norm(), kernel
+        if levels:
+            expected = rounded(x, levels) @ weight.double().T + with_bias_d
+            assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5), (kernel, (y.double() - expected).abs().max())
         for rows in (1, 2, 3, 5, 8, 13, 17):  # the same bits whatever rows share the call
             assert torch.equal(torch.cat([native.int8_linear(c, codes, scale, bias, kernel, minimum=minimum)
                                           for c in x.split(rows)]), y), (kernel, rows)

@@ -216,11 +216,24 @@ def test_int8_chat_keeps_integer_products_for_generated_tokens_only_where_they_q
     else:
         assert decoder._c_layers.generated_kernels[0] not in ("i8dot", "i16dot")
     assert entry["tok_s"][1] > 0 and entry["tok_s"][8] > 0
+    if qualified:  # every qualifying way timed, the chosen one's figures among them
+        assert set(entry["integer_tok_s"]) == set(qualified) and entry["integer_tok_s"][way] == entry["tok_s"]
     # Greedy answers with generated tokens on each way of integer products: each prompt alone equals all at once.
     for down, bits in INTEGER_WAYS.values():
         decoder.use_integer_dot(True, down=down, bits=bits)
         together = _greedy(decoder, prompts, 12)
         assert together == [_greedy(decoder, [p], 12)[0] for p in prompts], (down, bits)
+
+
+def test_a_less_exact_way_of_integer_products_wins_only_by_more_than_the_margin():
+    from engine.precision import EXACTNESS_MARGIN, _better
+
+    exact, rough = {"agreement": 1.0, "score": 100.0}, {"agreement": 0.98}
+    assert not _better({**rough, "score": 100.0 * (1 + EXACTNESS_MARGIN) - 0.1}, exact)  # noise-sized gain: no
+    assert _better({**rough, "score": 100.0 * (1 + EXACTNESS_MARGIN) + 0.1}, exact)
+    assert _better(exact, {**rough, "score": 100.0 * (1 + EXACTNESS_MARGIN) - 0.1})  # a tie goes to the exact one
+    assert not _better(exact, {**rough, "score": 100.0 * (1 + EXACTNESS_MARGIN) + 0.1})
+    assert _better({"agreement": 1.0, "score": 101.0}, exact) and not _better({"agreement": 1.0, "score": 99.0}, exact)
 
 
 @pytest.mark.parametrize("way,keep_4bit", [("8-bit but the down projection", True), ("16-bit", False)])

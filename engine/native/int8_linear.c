@@ -321,6 +321,9 @@ DEFINE_QDOT_ROWS(qdot_rows, qtile, int8_t)
 
 int cadence_int8_has_int8_dot(void) { return 1; }
 
+/* Rows rounded to int8 per 32 inputs as above (q4_linear.c's 8-bit way reads them). */
+void cadence_round_rows8(const float *x, long rows, long in, int8_t *q, float *d) { quantize_rows(x, rows, in, q, d); }
+
 /* As cadence_int8_linear, with the activations rounded to int8 as above. */
 DEFINE_INTEGER_LINEAR(cadence_int8_linear_int8_dot, int8_t, quantize_rows, qdot_rows)
 #else
