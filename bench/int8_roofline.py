@@ -13,7 +13,7 @@
 
 Kernels: i16dot and i8dot (int8 weights, activations rounded to int16 or int8), and q4 (the layers in their
 own 4-bit weights, as int8 precision keeps SmolLM2's, scales and minimums in half floats, with the output layer on i16dot:
-98 MB a step instead of 151; activations rounded to int16).
+98 MB a step instead of 151; activations rounded to int16), and q4i8 (the same, activations rounded to int8).
 
 When "streamed" sits near "plain read" and far below "in cache", the step is bound by memory: only
 fewer bytes a weight (4-bit weights, as llama.cpp reads them) make it faster. Prints the CPU model;
@@ -47,13 +47,17 @@ void cadence_q4_linear(const float *, long, long, const uint8_t *, const uint16_
                        long, float *, int);
 static const uint16_t *minimums;  /* q4: one buffer of minimums (half floats), as large as the largest layer needs */
 
-static void q4_product(const float *x, long rows, long in, const int8_t *q, const float *scale, const float *bias,
-                       long out, float *y) {
+static void q4_way(const float *x, long rows, long in, const int8_t *q, const float *scale, const float *bias,
+                   long out, float *y, int kernel) {
     if (in == 576 && out == 49152) /* the output layer stays int8 */
         cadence_int8_linear_int16_dot(x, rows, in, q, scale, bias, out, y);
     else
-        cadence_q4_linear(x, rows, in, (const uint8_t *)q, (const uint16_t *)scale, minimums, bias, out, y, 3);
+        cadence_q4_linear(x, rows, in, (const uint8_t *)q, (const uint16_t *)scale, minimums, bias, out, y, kernel);
 }
+static void q4_product(const float *x, long rows, long in, const int8_t *q, const float *scale, const float *bias,
+                       long out, float *y) { q4_way(x, rows, in, q, scale, bias, out, y, 3); }
+static void q4_product8(const float *x, long rows, long in, const int8_t *q, const float *scale, const float *bias,
+                        long out, float *y) { q4_way(x, rows, in, q, scale, bias, out, y, 2); }
 
 static double best_of(int repeats, int calls, product run, int n, int8_t **q, float **s, const long *in,
                       const long *out, const float *x, float *y) {
@@ -97,16 +101,16 @@ int main(int argc, char **argv) {
     for (int k = 0; k < N; k++)
         q4_bytes += k == N - 1 ? in[k] * out[k] + out[k] * (in[k] / GROUP) * 4.0
                               : in[k] * out[k] / 2.0 + 2.0 * out[k] * (in[k] / GROUP) * 2;
-    const char *names[3] = {"i16dot", "i8dot", "q4"};
-    const product runs[3] = {cadence_int8_linear_int16_dot, cadence_int8_linear_int8_dot, q4_product};
-    for (int k = 0; k < 3; k++) {
-        float **scales = k == 2 ? s_q4 : s;
+    const char *names[4] = {"i16dot", "i8dot", "q4", "q4i8"};
+    const product runs[4] = {cadence_int8_linear_int16_dot, cadence_int8_linear_int8_dot, q4_product, q4_product8};
+    for (int k = 0; k < 4; k++) {
+        float **scales = k >= 2 ? s_q4 : s;
         const double hot = best_of(repeats, 50, runs[k], 1, q + 2, scales + 2, in + 2, out + 2, x, y);
         const double layer = in[2] * out[2] + out[2] * (in[2] / GROUP) * sizeof(float);
-        const double hot_bytes = k == 2 ? in[2] * out[2] / 2.0 + 2 * out[2] * (in[2] / GROUP) * sizeof(uint16_t) : layer;
+        const double hot_bytes = k >= 2 ? in[2] * out[2] / 2.0 + 2 * out[2] * (in[2] / GROUP) * sizeof(uint16_t) : layer;
         const double streamed = best_of(repeats, 1, runs[k], N, q, scales, in, out, x, y);
         printf("%s in-cache %.1f GB/s\n%s streamed %.1f GB/s %.2f ms\n", names[k], hot_bytes / hot / 1e9, names[k],
-               (k == 2 ? q4_bytes : bytes) / streamed / 1e9, streamed * 1e3);
+               (k >= 2 ? q4_bytes : bytes) / streamed / 1e9, streamed * 1e3);
     }
     const long n = (long)bytes / 64 * 64;
     char *buffer = aligned_alloc(64, n);
@@ -172,7 +176,7 @@ def main() -> None:
                 label = (words[0],) if words[0] == "read" else tuple(words[:2])
                 figures[label] = [float(w) for w in words[len(label):] if w[0].isdigit()]
             read = figures[("read",)][0]
-            for kernel in ("i16dot", "i8dot", "q4"):
+            for kernel in ("i16dot", "i8dot", "q4", "q4i8"):
                 hot, (streamed, ms) = figures[(kernel, "in-cache")][0], figures[(kernel, "streamed")][:2]
                 print(f"| {threads} | {kernel} | {hot:.1f} | {streamed:.1f} | {ms:.2f} | {read:.1f} | {streamed / read:.0%} |")
 

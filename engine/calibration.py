@@ -181,20 +181,30 @@ def steady(first: float, again: float) -> bool:
 def time_step(decoder: BatchedDecoder, width: int, rows_per_slot: int = 1) -> float:
     """Median milliseconds of one decode step with ``width`` busy slots of HISTORY positions, each
     with ``rows_per_slot`` new rows (more than one: a draft being verified)."""
-    decoder.allocate(width, HISTORY + (WARMUP_STEPS + TIMED_STEPS) * rows_per_slot + 1)
+    return time_steps_in_turn(decoder, width, [lambda: None], rows_per_slot, TIMED_STEPS)[0]
+
+
+def time_steps_in_turn(decoder: BatchedDecoder, width: int, setups: list, rows_per_slot: int = 1,
+                       steps: int = 3 * TIMED_STEPS) -> list[float]:
+    """Median milliseconds of one decode step (as :func:`time_step`) for each of ``setups`` (functions that
+    set the decoder one way), the ways taking turns step by step: ways a few percent apart compared over
+    the same moments of a busy machine, whose speed moves by more than that within seconds."""
+    decoder.allocate(width, HISTORY + (WARMUP_STEPS + steps) * rows_per_slot + 1)
     slots = list(range(width))
     every_row = torch.arange(width * rows_per_slot, device=decoder.device)
-    times = []
-    for i in range(WARMUP_STEPS + TIMED_STEPS):
+    times: list[list[float]] = [[] for _ in setups]
+    for i in range(WARMUP_STEPS + steps):
         batch = StepBatch.build(slots, [[1] * rows_per_slot] * width, [HISTORY + i * rows_per_slot] * width,
                                 device=decoder.device, prompt_lengths=[0] * width)  # decoding: generated rows
-        if decoder.device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        logits = decoder.forward(batch, every_row)
-        logits.argmax(-1).tolist()  # the token choice, and on a GPU the wait for the result
-        times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times[WARMUP_STEPS:])
+        for setup, taken in zip(setups, times):  # (each way writes the same cache positions in turn)
+            setup()
+            if decoder.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            logits = decoder.forward(batch, every_row)
+            logits.argmax(-1).tolist()  # the token choice, and on a GPU the wait for the result
+            taken.append((time.perf_counter() - t0) * 1000)
+    return [statistics.median(taken[WARMUP_STEPS:]) for taken in times]
 
 
 def _cache_file(model_key: str, device: str):

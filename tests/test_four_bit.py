@@ -102,12 +102,16 @@ def test_smollm2s_layers_run_on_their_4_bit_weights_and_reload_from_the_cache(sm
 def test_auto_keeps_the_4_bit_layers_where_they_are_faster_and_qualify():
     from engine.precision import _keep_4bit_or_not
 
-    def entry(alone, wide, qualifies=True, four_bit=None):
-        return {"tok_s": {1: alone, 8: wide}, "score": (alone * wide) ** 0.5, "agreement": 1.0 if qualifies else 0.9,
-                "qualifies": qualifies, **({"four_bit": four_bit} if four_bit else {})}
+    def entry(alone, wide, qualifies=True, four_bit=None, agreement=None):
+        return {"tok_s": {1: alone, 8: wide}, "score": (alone * wide) ** 0.5,
+                "agreement": agreement or (1.0 if qualifies else 0.9), "qualifies": qualifies,
+                **({"four_bit": four_bit} if four_bit else {})}
 
     kept = _keep_4bit_or_not(entry(150, 330, four_bit="120/120"), entry(115, 360))
     assert kept["keep_4bit"] and kept["tok_s"] == {1: 150, 8: 330} and kept["other_4bit_way"]["tok_s"] == {1: 115, 8: 360}
     rounded = _keep_4bit_or_not(entry(120, 300, four_bit="120/120"), entry(118, 400))
     assert not rounded["keep_4bit"] and rounded["tok_s"] == {1: 118, 8: 400} and rounded["four_bit"] == "120/120"
     assert not _keep_4bit_or_not(entry(150, 330, False, "120/120"), entry(115, 360))["keep_4bit"]
+    # rounded weights agree less with float32: they must be faster by more than the margin, not by noise
+    assert _keep_4bit_or_not(entry(120, 300, four_bit="120/120"), entry(118, 400, agreement=0.988))["keep_4bit"]
+    assert not _keep_4bit_or_not(entry(100, 250, four_bit="120/120"), entry(118, 400, agreement=0.988))["keep_4bit"]
