@@ -151,8 +151,9 @@ def _better(way: dict, than: dict) -> bool:
 
 def _chat_entry(decoder, precision: str, prompts: list[list[int]], answers: list[list[int]]) -> dict:
     """A chat candidate's quality and speed. int8 tries generated tokens on each way of integer
-    products (where the decoder has them, INTEGER_WAYS) and keeps the fastest that qualifies; where
-    none does, it measures int8 without them. ``integer_agreements`` records every way's agreement,
+    products (where the decoder has them, INTEGER_WAYS) and keeps the fastest that qualifies, one that
+    agrees less only where it is faster by more than EXACTNESS_MARGIN (:func:`_better`); where none
+    qualifies, it measures int8 without them. ``integer_agreements`` records every way's agreement,
     ``integer_tok_s`` each qualifying way's speed."""
     if precision == "float32":
         return {"agreement": 1.0, "qualifies": True, **chat_speed(decoder)}

@@ -15,7 +15,8 @@
  *   same two roundings as the check that stored them) and dotted with every row by int8_linear.c's tiles;
  * - 2 (8-bit integer products): each row rounded to int8 per 32 inputs as int8_linear.c's int8 kernel does;
  *   per group the exact integer sums sum(code * xq) (unsigned codes times signed bytes, pairs summed in 16
- *   bits: at most 2 * 15 * 127, no saturation) and sum(xq);
+ *   bits: at most 2 * 15 * 127, no saturation; VNNI's dpbusd where the CPU has it, the same lane sums) and
+ *   sum(xq);
  * - 3 (16-bit integer products): each row rounded to int16 per 32 inputs as int8_linear.c's int16 kernel
  *   does; the same sums, codes widened to 16 bits (each row's inputs reordered within each group to the
  *   order the widening leaves the codes in: an integer sum does not depend on its order);
@@ -144,9 +145,15 @@ static inline void scale_products(const uint16_t *sw, const float *sx, long grou
 /* A group's exact integer sum(code * xq) in 8 int32 lanes: codes as 32 unsigned bytes, xq int8 (32 bytes) or
  * int16 (reordered: 16-bit codes come out of the bytes' widening as inputs 0-7 and 16-23, then 8-15 and
  * 24-31, and xq is stored in that order). */
-static inline __m256i group_sum8(__m256i codes, const int8_t *xg) {
-    const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_loadu_si256((const __m256i *)xg));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+static inline __m256i group_sum8(__m256i codes, const int8_t *xg) { /* lane k: inputs 4k .. 4k + 3 */
+    const __m256i x = _mm256_loadu_si256((const __m256i *)xg);
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), codes, x);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
+#endif
 }
 static inline __m256i group_sum16(__m256i codes, const int16_t *xg) {
     const __m256i zero = _mm256_setzero_si256();
