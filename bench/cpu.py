@@ -9,7 +9,9 @@ decode throughput with prefill excluded, aggregate over N streams decoded togeth
   process of its own (its OpenMP threads, left in this one, slowed the engines measured after it);
 - transformers ``generate`` (float32, left-padded batch), decode time = T(tokens) - T(1 token).
 Quality: each precision's top-1 agreement with float32 on the fixed check prompts
-(engine.precision), and how many of the N=8 stories equal float32's tokens.
+(engine.precision), and how many of the N=8 stories equal float32's tokens; the same for as shipped
+(auto's own record of its agreement: its int8 may run another way of integer products than int8 asked
+for by name).
 
 Whisper: bench/transcription.py's 16-file batch and its short clips, Cadence's default path
 (voice-activity windows + timestamps) in each precision beside faster-whisper int8 and float32,
@@ -192,7 +194,7 @@ def chat_part(widths: list[int], tokens: int, rounds: int = 1) -> None:
     llama = "llama.cpp (llama-cpp-python), Q4_1 GGUF"
     # (row name, the precision whose stories the quality table compares, run(n) -> (tok/s, tokens))
     engines = [(f"Cadence {p}, drafting off", p, lambda n, p=p: cadence_decode(n, tokens, p, "off")) for p in offered]
-    engines.append(("Cadence as shipped (precision auto, drafting auto)", None,
+    engines.append(("Cadence as shipped (precision auto, drafting auto)", SHIPPED,
                     lambda n: cadence_decode(n, tokens, "auto", "auto")))
     if importlib.util.find_spec("llama_cpp") is not None:
         ref = ChatReference(load(CHAT))
@@ -233,9 +235,31 @@ def chat_part(widths: list[int], tokens: int, rounds: int = 1) -> None:
     wide = max(w for w in widths if w <= 8)
     print(f"\n## Quality against float32\n\n| precision | top-1 agreement (check prompts) | stories equal to float32 "
           f"(N={wide}) |\n|---|---|---|")
-    for precision in offered:
+    for precision in [*offered, SHIPPED]:
         same = sum(a == b for a, b in zip(stories[(precision, wide)], stories[("float32", wide)]))
-        print(f"| {precision} | {agreement(precision):.1%} | {same}/{wide} |")
+        measured = shipped_agreement() if precision == SHIPPED else f"{agreement(precision):.1%}"
+        print(f"| {precision} | {measured} | {same}/{wide} |")
+
+
+SHIPPED = "as shipped"  # the quality table's row for precision auto (its own way of int8, where it picks int8)
+
+
+def shipped_agreement() -> str:
+    """What auto recorded of its choice's agreement (its cache, written by the run's as-shipped engines),
+    with the way it runs: int8 asked for by name, the table's int8 row, may run another way."""
+    import json
+
+    from engine.calibration import device_identity
+    from engine.loading import load, source_key
+    from engine.precision import _cache_file
+
+    try:
+        record = json.loads(_cache_file(source_key(load(CHAT).source), device_identity("cpu")).read_text())
+        entry = record["candidates"][record["chosen"]]
+    except (OSError, ValueError, KeyError):
+        return "—"
+    way = f", {entry['integer_way']} integer products" if entry.get("integer_way") else ""
+    return f"{entry['agreement']:.1%} ({record['chosen']}{way}, as auto measured)"
 
 
 def whisper_part(quick: bool) -> None:
