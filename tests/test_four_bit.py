@@ -64,15 +64,15 @@ def test_4_bit_products_are_the_float_products_and_each_rows_own(out, size, with
     bias = torch.randn(out, generator=generator) if with_bias else None
     x = torch.randn(40, size, generator=generator) * torch.rand(40, 1, generator=generator) * 4
     x[0, :32] = 0  # an all-zero group rounds to zeros
-    with_bias_d = bias.double() if with_bias else 0
-    exact = x.double() @ weight.double().T + with_bias_d
+    bias_part = bias.double() if with_bias else 0
+    exact = x.double() @ weight.double().T + bias_part
     # float activations: float32 sums of the exact weights; rows rounded to int16 (int8): the exact product of
     # that rounding up to float32 sums, within a hundredth of a percent (about half a percent) of the float one
     for kernel, levels, closeness in (("f32x8", 0, 1e-6), ("i16dot", 32767, 1e-4), ("i8dot", 127, 0.02)):
         y = native.int8_linear(x, codes, scale, bias, kernel, minimum=minimum)
         assert y.shape == (40, out) and (y.double() - exact).norm() <= closeness * exact.norm(), kernel
         if levels:
-            expected = rounded(x, levels) @ weight.double().T + with_bias_d
+            expected = rounded(x, levels) @ weight.double().T + bias_part
             assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5), (kernel, (y.double() - expected).abs().max())
         for rows in (1, 2, 3, 5, 8, 13, 17):  # the same bits whatever rows share the call
             assert torch.equal(torch.cat([native.int8_linear(c, codes, scale, bias, kernel, minimum=minimum)

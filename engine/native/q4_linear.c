@@ -225,8 +225,7 @@ DEFINE_Q4TILES(16, int16_t)
 DEFINE_Q4_DOT_ROWS(8, int8_t)
 DEFINE_Q4_DOT_ROWS(16, int16_t)
 
-/* Rows rounded for the 8-bit way: as cadence_round_rows8, in input order. */
-static void round_rows8(const float *x, long rows, long in, int8_t *q, float *d) { cadence_round_rows8(x, rows, in, q, d); }
+#define round_rows8 cadence_round_rows8 /* rows rounded for the 8-bit way: in input order */
 
 /* Rows rounded for the 16-bit way: as cadence_round_rows16, then each group's inputs 8-15 and 16-23 swapped
  * (the order group_sum16 reads them in). */
