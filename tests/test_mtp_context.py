@@ -134,6 +134,20 @@ def test_corpus_splits_are_fixed_by_title():
     assert 0.01 < share < 0.04
 
 
+def test_corpus_prompts_are_fixed_by_the_seed_and_never_name_a_held_out_or_validation_topic(monkeypatch):
+    from engine.mtp import corpus
+
+    words = [f"word{i}" for i in range(20)] + ["glaciers", "lighthouses"]  # a held-out and a validation topic
+    made = [corpus.Passage("dictionary", w, "a meaning") for w in words]
+    made.append(corpus.Passage("python-source", "double in tools", "def double(x):\n    return 2 * x"))
+    monkeypatch.setattr(corpus, "passages", lambda held_out=False: list(made))
+    prompts = corpus.corpus_prompts(0)
+    assert prompts == corpus.corpus_prompts(0) and prompts != corpus.corpus_prompts(1)
+    assert not any("glacier" in p.lower() or "lighthouse" in p.lower() for p in prompts)
+    assert len(prompts) >= 15 and any("def double(x)" in p for p in prompts)
+    assert corpus.corpus_prompts(0, 3) == prompts[:3]
+
+
 def test_a_long_sequence_keeps_its_newest_window_of_pairs():
     from engine.mtp.context_head import WINDOW
 
@@ -184,7 +198,7 @@ def test_the_context_design_is_for_chat_models_and_named_in_one_sentence():
     from engine.mtp.recipe import recipe_for
 
     recipe, _ = recipe_for("smollm2-135m-instruct", "context")
-    assert recipe.design == "context" and recipe.corpus_passages > 0
+    assert recipe.design == "context" and recipe.corpus_prompts > 0
     assert recipe_for("smollm2-135m-instruct")[0].design == "chain"  # what shipped
     for model, design, words in (("whisper-tiny.en", "context", "chat models"), ("smollm2-135m-instruct", "tree", "Unknown")):
         with pytest.raises(CadenceError) as err:

@@ -257,6 +257,47 @@ def conversations(seed: int, count: int | None = None, held_out: bool = False) -
     return [(p.question(rng), p.answer()) for p in chosen]
 
 
+# ---------------------------------------------------------------------------- prompts the model answers itself
+_WORD_FORMS = ["What does the word \"{w}\" mean? Give an example sentence.", "Use the word \"{w}\" in three sentences.",
+               "Explain the word \"{w}\" to a child."]
+_DOC_FORMS = ["Explain {t}, with a short example.", "What should a beginner know about {t}?",
+              "Summarize this passage in two sentences:\n\n{x}", "Rewrite this passage in plain language:\n\n{x}",
+              "Write three questions a reader might ask about this passage, with answers:\n\n{x}"]
+_CODE_FORMS = ["Explain what this Python code does:\n\n```python\n{x}\n```",
+               "Suggest improvements to this Python code:\n\n```python\n{x}\n```",
+               "Write a short docstring for this Python code:\n\n```python\n{x}\n```"]
+
+
+def corpus_prompts(seed: int, count: int | None = None) -> list[str]:
+    """Chat prompts made from the training split's passages, for the model to answer itself (on-policy
+    draft-head data): a dictionary word in the prompt set's own templates or a question about the word,
+    a documentation passage's subject or its first 80 words to summarise or rewrite, or a piece of code
+    to explain. Prompts naming a held-out or validation topic of :mod:`engine.mtp.prompts` are left out."""
+    from engine.mtp.prompts import HELD_OUT_TOPICS, TEMPLATES, VALIDATION_TOPICS
+
+    banned = {t.lower() for t in HELD_OUT_TOPICS | set(VALIDATION_TOPICS)}
+    chosen = passages(held_out=False)
+    rng = random.Random(seed)
+    rng.shuffle(chosen)
+    words = [p.title for p in chosen if p.source == "dictionary"]
+    out = []
+    for p in chosen:
+        if p.source == "dictionary":
+            if rng.random() < 0.7:
+                prompt = rng.choice(TEMPLATES).format(t=p.title, u=rng.choice(words))
+            else:
+                prompt = rng.choice(_WORD_FORMS).format(w=p.title)
+        elif p.source == "python-source":
+            prompt = rng.choice(_CODE_FORMS).format(x="\n".join(p.text.splitlines()[:16]))
+        else:
+            subject = re.sub(r"\s*\([^)]*\)$", "", p.title)
+            subject = f"{subject} in Python" if p.source == "python-docs" else f"{subject} on Debian"
+            prompt = rng.choice(_DOC_FORMS).format(t=subject, x=" ".join(p.text.split()[:80]))
+        if not any(b in prompt.lower() for b in banned):
+            out.append(prompt)
+    return out[:count] if count is not None else out
+
+
 if __name__ == "__main__":  # a look at the corpus: counts and one passage per source
     every = python_docs() + debian_handbook() + dictionary() + python_source()
     for name in ("python-docs", "debian-handbook", "dictionary", "python-source"):

@@ -2,7 +2,9 @@
 
 - chat: the model's own greedy answers (batched engine in float32, at most ``max_tokens`` each) to
   the prompt set of :mod:`engine.mtp.prompts`, with the final-norm hidden state the engine computed
-  at every answer position as it chose the token there (``ChatRequest.keep_hidden``: no second pass).
+  at every answer position as it chose the token there (``ChatRequest.keep_hidden``: no second pass);
+  and, where the recipe asks (``corpus_prompts``), its answers to prompts made from corpus passages
+  (:func:`engine.mtp.corpus.corpus_prompts`), from an engine in the precision it drafts beside.
 - Whisper: text (the chat model's answers to the same prompt split, cut into 12-80 word pieces,
   plus the prompt set's paragraphs) spoken by espeak-ng with varied voices and speeds (at most 27 s: one
   30-s window of the engine) and transcribed greedily by the model itself (batched, with the engine's
@@ -126,8 +128,8 @@ def load_frozen(source):
 
 # ----- chat
 class _ChatMaker:
-    def __init__(self, source, recipe: Recipe, progress, width: int = 16):
-        self.source, self.recipe, self.progress, self.width = source, recipe, progress, width
+    def __init__(self, source, recipe: Recipe, progress, width: int = 16, precision: str = "float32"):
+        self.source, self.recipe, self.progress, self.width, self.precision = source, recipe, progress, width, precision
         self.loaded = None
         self.engine = None
 
@@ -138,7 +140,7 @@ class _ChatMaker:
             self.loaded = load_frozen(self.source)
             # the teacher's own greedy answers, and the hidden states behind them (drafting off: verified
             # drafts would give the same tokens and states, at more rows a step)
-            self.engine = Engine(backend="cpu", batch=self.width, precision="float32", drafter="off")
+            self.engine = Engine(backend="cpu", batch=self.width, precision=self.precision, drafter="off")
 
     def close(self):
         if self.engine is not None:
@@ -229,15 +231,21 @@ def greedy_of(lm_head: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     return torch.cat([(hidden[b : b + 1024] @ lm_head.T).argmax(-1) for b in range(0, hidden.shape[0], 1024)])
 
 
-def corpus_data(source, folder: Path, seed: int, count: int | None, progress, held_out: bool = False,
-                max_tokens: int = 320) -> SeqData:
-    """Teacher-forced corpus conversations of one split (``count`` passages, all when None)."""
-    from engine.mtp.corpus import conversations, missing_sources
+def _require_corpora() -> None:
+    from engine.mtp.corpus import missing_sources
 
     missing = missing_sources()
     if missing:
         raise CadenceError(f"Training this draft head reads installed documentation; install the Debian packages "
                            f"{', '.join(sorted(missing.values()))} first (`make mtp-corpora`).")
+
+
+def corpus_data(source, folder: Path, seed: int, count: int | None, progress, held_out: bool = False,
+                max_tokens: int = 320) -> SeqData:
+    """Teacher-forced corpus conversations of one split (``count`` passages, all when None)."""
+    from engine.mtp.corpus import conversations
+
+    _require_corpora()
     items = conversations(seed, count, held_out)
     prefix = "corpus-heldout" if held_out else "corpus-train"
     return _shards(folder, prefix, items, 256, _CorpusMaker(source, max_tokens), progress,
@@ -246,30 +254,47 @@ def corpus_data(source, folder: Path, seed: int, count: int | None, progress, he
 
 def chat_parts(source, recipe: Recipe, folder: Path, progress,
                parts: tuple[str, ...] = ("first", "more", "val", "held")) -> dict[str, SeqData]:
-    """A chat model's answers to the given parts of the prompt set: first, more (training), val, held."""
+    """A chat model's answers to the given parts of the prompt set: first, more (training), val, held, and
+    corpus (``recipe.corpus_prompts`` prompts made from corpus passages, :func:`engine.mtp.corpus.corpus_prompts`).
+    Validation and held-out answers come from a float32 engine at width 16 (the reference acceptance is
+    measured against); the corpus prompts' from one in ``recipe.answer_precision`` at width 32 (the
+    precision the engine verifies drafts in; many more answers), in shards of 128."""
     from engine.mtp.prompts import HELD_OUT_PROMPTS, MORE_TRAIN_PROMPTS, TRAIN_PROMPTS, VALIDATION_PROMPTS
 
     table = {"first": ("chat-train", TRAIN_PROMPTS, "chat training data"),
              "more": ("chat-more", MORE_TRAIN_PROMPTS, "more chat training data"),
              "val": ("chat-val", VALIDATION_PROMPTS, "chat validation data"),
              "held": ("chat-heldout", HELD_OUT_PROMPTS, "chat held-out data")}
-    maker = _ChatMaker(source, recipe, progress)
+    makers = {"float32": _ChatMaker(source, recipe, progress)}
     try:
-        return {part: _shards(folder, table[part][0], table[part][1], 48, maker, progress, table[part][2])
-                for part in parts}
+        out = {part: _shards(folder, table[part][0], table[part][1], 48, makers["float32"], progress, table[part][2])
+               for part in parts if part != "corpus"}
+        makers["float32"].close()
+        if "corpus" in parts:
+            from engine.mtp.corpus import corpus_prompts
+
+            _require_corpora()  # the prompts come from every source: without one they would silently differ
+            makers["corpus"] = _ChatMaker(source, recipe, progress, width=32, precision=recipe.answer_precision)
+            prompts = corpus_prompts(0, recipe.corpus_prompts)  # fixed, like the prompt set: shards serve any --seed
+            out["corpus"] = _shards(folder, f"chat-corpus-{recipe.answer_precision}", prompts, 128, makers["corpus"],
+                                    progress, "answers to corpus prompts")
+        return out
     finally:
-        maker.close()
+        for maker in makers.values():
+            maker.close()
 
 
 def chat_data(source, recipe: Recipe, folder: Path, progress) -> tuple[SeqData, SeqData, SeqData]:
     """(training, validation, held-out) answers of a chat model to the prompt set."""
     from engine.mtp.prompts import TRAIN_PROMPTS, mentions_held_out
 
-    parts = chat_parts(source, recipe, folder, progress, ("first", "val", "held") + (("more",) if recipe.more_prompts else ()))
+    wanted = ("first", "val", "held") + (("more",) if recipe.more_prompts else ()) + (("corpus",) if recipe.corpus_prompts else ())
+    parts = chat_parts(source, recipe, folder, progress, wanted)
     first = parts["first"]
     if len(first.lengths) == len(TRAIN_PROMPTS):  # every prompt answered: leave out those naming held-out topics
         first = first.select([i for i, p in enumerate(TRAIN_PROMPTS) if not mentions_held_out(p)])
-    return SeqData.concat([first] + ([parts["more"]] if recipe.more_prompts else [])), parts["val"], parts["held"]
+    train = [first] + [parts[k] for k in ("more", "corpus") if k in parts]
+    return SeqData.concat(train), parts["val"], parts["held"]
 
 
 # ----- whisper

@@ -33,6 +33,8 @@ class Recipe:
     design: str = "chain"  # "chain": an MLP on the last pair; "context": attention over past pairs (chat)
     corpus_passages: int = 0  # context heads: teacher-forced corpus passages added to the model's own answers
     more_prompts: bool = True  # chat: also the second batch of training prompts (engine.mtp.prompts)
+    corpus_prompts: int = 0  # chat: also the model's answers to this many prompts made from corpus passages
+    answer_precision: str = "auto"  # chat: the engine precision that answers the corpus prompts
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -43,10 +45,10 @@ RECIPES = {
     "whisper-tiny.en": Recipe("whisper", steps=1500, draft_vocab=4096, ffn_mult=2.0, train_clips=576, heldout_clips=64),
     "whisper-base": Recipe("whisper", steps=1500, draft_vocab=4096, ffn_mult=1.5, train_clips=256, heldout_clips=64),
 }
-# `--design context` (chat models): an attention head on the model's answers to the first prompt batch plus
-# teacher-forced corpus passages (docs/MTP.md, "Context heads"); the draft vocabulary stays the recipe's.
-CONTEXT = dict(steps=1000, batch=12 * 128, lr=1e-3, warmup=100, ffn_mult=8 / 3, noise=0.05, design="context",
-               corpus_passages=768, more_prompts=False)
+# `--design context` (chat models): an attention head on the model's answers to the first prompt batch and to
+# 2688 prompts made from corpus passages (docs/MTP.md, "Context heads"); the draft vocabulary stays the recipe's.
+CONTEXT = dict(steps=600, batch=12 * 128, lr=1e-3, warmup=100, ffn_mult=8 / 3, noise=0.05, design="context",
+               corpus_prompts=21 * 128, more_prompts=False)
 DESIGNS = ("chain", "context")
 
 
