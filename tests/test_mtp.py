@@ -155,6 +155,39 @@ def test_training_learns_and_replay_counts(tmp_path):
     assert after["mean_acceptance_length"] > before["mean_acceptance_length"]
 
 
+def test_soft_and_regression_terms_are_what_they_say():
+    import torch.nn.functional as F
+
+    from engine.mtp.training import chain_loss
+
+    embed, lm_head = _matrices()
+    head = _head().bind(embed, lm_head, prepare=False)
+    g = torch.Generator().manual_seed(3)
+    hidden, states = torch.randn(5, D, generator=g), [torch.randn(5, D, generator=g)]
+    tokens, targets = [VOCAB[torch.arange(5)]], [torch.tensor([0, 4, -1, 9, 2])]
+    hard, _ = chain_loss(head, hidden, tokens, targets)
+    assert torch.equal(chain_loss(head, hidden, tokens, targets, states=states)[0], hard)  # both weights 0: unchanged
+    valid = targets[0] >= 0
+    features = head.features(head.step(hidden, tokens[0]))[valid]
+    logp = torch.log_softmax(features @ head.out_rows.T, -1)
+    teacher = torch.softmax(states[0][valid] @ head.out_rows.T, -1)
+    soft, _ = chain_loss(head, hidden, tokens, targets, states=states, soft=1.0)
+    assert torch.allclose(soft, -(teacher * logp).sum(-1).mean(), atol=1e-5)
+    scale = states[0][valid].pow(2).mean(-1, keepdim=True).sqrt()
+    both, _ = chain_loss(head, hidden, tokens, targets, states=states, soft=0.5, regress=2.0)
+    expected = 0.5 * hard + 0.5 * soft + 2.0 * F.smooth_l1_loss(features / scale, states[0][valid] / scale)
+    assert torch.allclose(both, expected, atol=1e-5)
+    assert not torch.allclose(soft, hard)  # the teacher's distribution is not its greedy token
+
+
+def test_training_with_soft_targets_and_regression_learns(tmp_path):
+    data = _toy_data()
+    embed, lm_head = _matrices()
+    head = train_head(None, data, None, _recipe(soft=0.3, regress=1.0), 0, 60, tmp_path, embed=embed,
+                      lm_head=lm_head, model="toy-model", vocab_ids=VOCAB)
+    assert measure(head, data, 4)["rate"] > 0.5
+
+
 def test_replay_metrics_by_hand():
     # one sequence of greedy tokens 10 11 12 13 14 15; the drafts from each position are given
     greedy = torch.tensor([10, 11, 12, 13, 14, 15])

@@ -103,9 +103,13 @@ class MTPHead(torch.nn.Module):
             m = F.dropout(m, self.dropout, True)
         return z + (lin["down"](m) if lin else F.linear(m, self.down))
 
+    def features(self, h: torch.Tensor) -> torch.Tensor:
+        """The vector the output rows read (trained towards the model's next hidden state): rmsnorm(h') * w + b."""
+        return self._norm(h, self.norm_out) + self.bias_out
+
     def logits(self, h: torch.Tensor, fast: bool = False) -> torch.Tensor:
         """Logits over the draft vocabulary [B, K] from a head state [B, d]."""
-        o = self._norm(h, self.norm_out) + self.bias_out
+        o = self.features(h)
         logits = self._fast["out"](o) if fast else F.linear(o, self.out_rows)
         return logits if self.training else logits / self.temperature
 

@@ -29,6 +29,8 @@ class Recipe:
     checkpoint_every: int = 100
     dropout: float = 0.0  # on the MLP's inner activations, training only
     noise: float = 0.0  # gaussian noise on the model's hidden state, relative to its RMS, training only
+    soft: float = 0.0  # chain heads: weight of cross-entropy to the model's own distribution (1 - soft: its greedy token)
+    regress: float = 0.0  # chain heads: weight of smooth-L1 regression of the head's features onto the model's next state
     bf16: bool | None = None  # bfloat16 autocast for training matmuls; None: where the CPU supports it natively
     design: str = "chain"  # "chain": an MLP on the last pair; "context": attention over past pairs (chat)
     corpus_passages: int = 0  # context heads: teacher-forced corpus passages added to the model's own answers

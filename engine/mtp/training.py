@@ -46,26 +46,43 @@ def draft_vocabulary(data: SeqData, size: int, always: list[int], vocab_size: in
 def _batch(data: SeqData, rem: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, to_draft: torch.Tensor, depth: int):
     """Inputs and targets of the chain from positions ``idx``: (hidden, [tokens_j], [targets_j]); -1: no target."""
     N = data.emitted.numel()
-    inputs, targets = [], []
+    inputs, targets, states = [], [], []
     for j in range(1, depth + 1):
         inputs.append(data.emitted[torch.clamp(idx + j - 1, max=N - 1)])
         t = to_draft[data.greedy[torch.clamp(idx + j, max=N - 1)]]
         targets.append(torch.where(rem[idx] >= j, t, torch.full_like(t, -1)))
-    return data.hidden[idx], inputs, targets
+        states.append(data.hidden[torch.clamp(idx + j, max=N - 1)])  # the model's own state where target j is chosen
+    return data.hidden[idx], inputs, targets, states
 
 
-def chain_loss(head: MTPHead, hidden, inputs, targets, noise: float = 0.0) -> tuple[torch.Tensor, list[float]]:
+def chain_loss(head: MTPHead, hidden, inputs, targets, noise: float = 0.0, states=None, soft: float = 0.0,
+               regress: float = 0.0) -> tuple[torch.Tensor, list[float]]:
+    """Cross-entropy to the model's greedy token at each chain step (weighted ``STEP_WEIGHT ** j``); with
+    ``states`` (the model's hidden state where each target is chosen), ``soft`` mixes in cross-entropy to
+    the model's own distribution over the draft vocabulary there, and ``regress`` adds smooth-L1 regression
+    of the head's output features onto that state (scaled by its RMS)."""
     h = hidden
     if noise:
         h = h + noise * h.pow(2).mean(-1, keepdim=True).sqrt() * torch.randn_like(h)
     total, weight, accs = 0.0, 0.0, []
     for j, (tok, tgt) in enumerate(zip(inputs, targets)):
         h = head.step(h, tok)
-        logits = head.logits(h)
+        features = head.features(h)
+        logits = F.linear(features, head.out_rows)
         valid = tgt >= 0
         if bool(valid.any()):
             w = STEP_WEIGHT ** j
-            total = total + w * F.cross_entropy(logits[valid], tgt[valid])
+            loss = F.cross_entropy(logits[valid], tgt[valid])
+            if states is not None and (soft or regress):
+                teacher = states[j][valid]
+                if soft:
+                    with torch.no_grad():
+                        p = torch.softmax(F.linear(teacher, head.out_rows), -1)
+                    loss = (1 - soft) * loss - soft * (p * torch.log_softmax(logits[valid], -1)).sum(-1).mean()
+                if regress:
+                    scale = teacher.pow(2).mean(-1, keepdim=True).sqrt()
+                    loss = loss + regress * F.smooth_l1_loss(features[valid] / scale, teacher / scale)
+            total = total + w * loss
             weight += w
             accs.append(float((logits[valid].argmax(-1) == tgt[valid]).float().mean()))
     return total / max(weight, 1e-9), accs
@@ -196,12 +213,12 @@ def train_head(head: MTPHead | None, train: SeqData, held: SeqData | None, recip
             break
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         idx = pool[torch.randint(len(pool), (recipe.batch,), generator=g)]
-        hidden, inputs, targets = _batch(train, rem, pool, idx, to_draft, DEPTH)
+        hidden, inputs, targets, states = _batch(train, rem, pool, idx, to_draft, DEPTH)
         for group in opt.param_groups:
             group["lr"] = _lr(recipe, step, steps)
         torch.manual_seed(seed * 1_000_003 + step)  # noise and dropout: from the step too
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss, accs = chain_loss(head, hidden, inputs, targets, recipe.noise)
+            loss, accs = chain_loss(head, hidden, inputs, targets, recipe.noise, states, recipe.soft, recipe.regress)
         loss_avg = apply_gradients(head, opt, loss, loss_avg)
         done = step + 1
         note = ""
