@@ -43,7 +43,8 @@ class Recipe:
 
 
 RECIPES = {
-    "smollm2-135m-instruct": Recipe("chat", steps=2000, draft_vocab=6144, ffn_mult=1.0),
+    "smollm2-135m-instruct": Recipe("chat", steps=3000, draft_vocab=6144, ffn_mult=1.0, corpus_prompts=21 * 128,
+                                    soft=0.5, regress=1.0),
     "whisper-tiny.en": Recipe("whisper", steps=1500, draft_vocab=4096, ffn_mult=2.0, train_clips=576, heldout_clips=64),
     "whisper-base": Recipe("whisper", steps=1500, draft_vocab=4096, ffn_mult=1.5, train_clips=256, heldout_clips=64),
 }
