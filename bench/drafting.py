@@ -14,6 +14,10 @@ answers too, since a sampled token is drawn once per position whether or not a d
 
     .venv/bin/python bench/drafting.py                     # everything (~10 min on 2 cores)
     .venv/bin/python bench/drafting.py --only chat --widths 1 --drafters off,mtp,mtp@0.3,mtp@0.5
+    .venv/bin/python bench/drafting.py --only chat --widths 1 --drafters off,mtp/1,mtp/1~old --head old=OLD.safetensors
+
+A drafter is NAME[/DEPTH][@MIN_P][~HEAD]: a fixed draft depth (--draft-depth), a minimum head
+probability (--draft-min-p), and an MTP head file given by --head HEAD=PATH instead of the shipped one.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import re
+from contextlib import contextmanager
 
 from engine.api import ChatAnswer
 
@@ -50,20 +57,50 @@ def _drafting(result) -> dict:
     return result.stats["drafting"]
 
 
+HEADS: dict[str, Path] = {}  # --head LABEL=PATH
+PRECISION: str | None = None  # --precision; None: CADENCE_PRECISION, else auto
+_SPEC = re.compile(r"^(?P<name>[^/@~]+)(?:/(?P<depth>\d+))?(?:@(?P<min_p>[0-9.]+))?(?:~(?P<head>\w+))?$")
+
+
+def parse_drafter(spec: str) -> dict:
+    """'mtp/2@0.3~old' -> drafter mtp, depth 2, min p 0.3, head file HEADS['old']."""
+    m = _SPEC.match(spec)
+    if m is None or (m["head"] and m["head"] not in HEADS):
+        raise SystemExit(f"Cannot read the drafter {spec!r}: write NAME[/DEPTH][@MIN_P][~HEAD], HEAD given by --head.")
+    return {"drafter": m["name"], "draft_depth": int(m["depth"]) if m["depth"] else None,
+            "draft_min_p": float(m["min_p"] or 0), "head": HEADS.get(m["head"]) if m["head"] else None}
+
+
+@contextmanager
+def _head_file(path: Path | None):
+    """The engine reads MTP heads through engine.mtp.head.head_path: point it at ``path`` meanwhile."""
+    import engine.mtp.head as head_module
+
+    shipped = head_module.head_path
+    if path is not None:
+        head_module.head_path = lambda model: path
+    try:
+        yield
+    finally:
+        head_module.head_path = shipped
+
+
 def measure(model: str, width: int, drafters: list[str], requests_for, warmup, sampling: str = "greedy") -> list[dict]:
     """One row per drafter: the same requests on a fresh engine each."""
     from engine import Engine
 
     rows, baseline = [], None
     for drafter in drafters:
-        name, _, min_p = drafter.partition("@")  # "mtp@0.5": the MTP drafter with --draft-min-p 0.5
-        engine = Engine(backend="cpu", batch=width, drafter=name, draft_min_p=float(min_p or 0))
-        try:
-            engine.submit(warmup).result(600)  # load, calibrate, warm the kernels
-            seconds, results = _run(engine, requests_for())
-            lane = engine.status()["lanes"][model]["drafting"]
-        finally:
-            engine.shutdown()
+        spec = parse_drafter(drafter)
+        with _head_file(spec["head"]):
+            engine = Engine(backend="cpu", batch=width, precision=PRECISION, drafter=spec["drafter"],
+                            draft_depth=spec["draft_depth"], draft_min_p=spec["draft_min_p"])
+            try:
+                engine.submit(warmup).result(600)  # load, calibrate, warm the kernels
+                seconds, results = _run(engine, requests_for())
+                lane = engine.status()["lanes"][model]["drafting"]
+            finally:
+                engine.shutdown()
         tokens = [_tokens(r) for r in results]
         n = sum(len(t) for t in tokens)
         drafted = sum(_drafting(r)["drafted"] for r in results)
@@ -175,15 +212,28 @@ def main() -> None:
     parser.add_argument("--widths", default="1,4,8", help="chat widths (Whisper: 1 and 4 unless --whisper-widths)")
     parser.add_argument("--whisper-widths", default="1,4")
     parser.add_argument("--drafters", default="off,ngram,mtp,auto",
-                        help="the first is the baseline; NAME@P runs NAME with --draft-min-p P (e.g. mtp@0.5)")
+                        help="the first is the baseline; NAME[/DEPTH][@MIN_P][~HEAD], e.g. mtp@0.5, mtp/1~old")
+    parser.add_argument("--head", action="append", default=[], metavar="LABEL=PATH",
+                        help="an MTP head file that drafters ending in ~LABEL use instead of the shipped one")
+    parser.add_argument("--precision", default=None, help="the engines' precision (auto, float32, int8, ...; "
+                        "default: CADENCE_PRECISION, else auto)")
     parser.add_argument("--models", default="whisper-tiny.en,whisper-base")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
     import torch
 
+    global PRECISION
+    PRECISION = args.precision
+    for item in args.head:
+        label, _, path = item.partition("=")
+        if not path or not Path(path).is_file():
+            raise SystemExit(f"--head wants LABEL=PATH of a head file; {item!r} is not one.")
+        HEADS[label] = Path(path)
     drafters = [d.strip() for d in args.drafters.split(",")]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n\n{HEADER}", flush=True)
+    for d in drafters:
+        parse_drafter(d)  # a misspelt drafter stops here, not after minutes of other rows
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, precision {PRECISION or 'default'}\n\n{HEADER}", flush=True)
     rows = []
     if args.only in (None, "chat"):
         rows += chat_rows([int(w) for w in args.widths.split(",")], drafters, args.prompts, args.max_tokens)
