@@ -50,7 +50,7 @@ package: setup
 	cp packaging/cadence.desktop resources/cadence.svg dist/cadence/
 	@echo "Built dist/cadence (run dist/cadence/cadence-gui); 'bash packaging/install-desktop.sh dist/cadence' adds it to the menu."
 
-# The installed documentation `cadence train-mtp` teacher-forces chat draft heads on (engine/mtp/corpus.py):
+# The installed documentation `cadence train-mtp` makes chat prompts from (engine/mtp/corpus.py), for chat heads:
 # the Python documentation, the Debian Administrator's Handbook and the GCIDE dictionary.
 mtp-corpora:
 	@pkgs="python3.11-doc debian-handbook dict-gcide"; missing=$$(for p in $$pkgs; do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \

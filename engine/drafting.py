@@ -13,7 +13,7 @@ Drafters here:
 - :class:`NgramDrafter` copies what followed the latest earlier occurrence of the context's last
   few tokens (prompt lookup): free, strong when an answer quotes its prompt or repeats itself.
 - :class:`MTPDrafter` chains a small trained head on the model's own last hidden state
-  (engine/mtp.py; heads in resources/mtp/).
+  (engine/mtp/; heads in resources/mtp/).
 - :class:`DraftModelDrafter` runs a smaller chat model with the same tokenizer in its own slots.
 - :class:`LookupThenMTPDrafter` (``auto`` where a head is shipped): lookup where it finds a match,
   else the head.
