@@ -45,8 +45,10 @@ class Recipe:
 RECIPES = {
     "smollm2-135m-instruct": Recipe("chat", steps=3000, draft_vocab=6144, ffn_mult=1.0, corpus_prompts=21 * 128,
                                     soft=0.5, regress=1.0),
-    "whisper-tiny.en": Recipe("whisper", steps=1500, draft_vocab=4096, ffn_mult=2.0, train_clips=576, heldout_clips=64),
-    "whisper-base": Recipe("whisper", steps=1500, draft_vocab=4096, ffn_mult=1.5, train_clips=256, heldout_clips=64),
+    "whisper-tiny.en": Recipe("whisper", steps=1500, draft_vocab=4096, ffn_mult=2.0, train_clips=576, heldout_clips=64,
+                              soft=0.5, regress=1.0),
+    "whisper-base": Recipe("whisper", steps=1500, draft_vocab=4096, ffn_mult=1.5, train_clips=256, heldout_clips=64,
+                           soft=0.5, regress=1.0),
 }
 # `--design context` (chat models): an attention head on the model's answers to the first prompt batch and to
 # 2688 prompts made from corpus passages (docs/MTP.md, "Context heads"); the draft vocabulary stays the recipe's.
