@@ -353,6 +353,17 @@ class DepthPlanner:
 
     def __init__(self, cost: StepCost, drafter: Drafter, fixed_depth: int | None = None):
         self.cost, self.drafter, self.fixed_depth = cost, drafter, fixed_depth
+        self.considered = 0  # steps with a slot that could draft
+        self.declined = 0  # of those, steps where no draft was expected to pay for its row
+
+    def report(self) -> dict:
+        """How often drafting was worth its cost here: {'considered': steps, 'declined': steps}, and a
+        sentence for people when it never was."""
+        out = {"considered": self.considered, "declined": self.declined}
+        if self.considered and self.declined == self.considered:
+            out["note"] = (f"in {self.considered} steps weighed here, no draft was expected to repay the time "
+                           f"it adds to a step")
+        return out
 
     def plan(self, seqs: list, base_rows: int, room: list[int], slots: int | None = None) -> list[int]:
         """``room[i]``: the most drafts seqs[i] may take (tokens left, cache left); ``base_rows``: the
@@ -389,6 +400,9 @@ class DepthPlanner:
         chosen = [0] * len(seqs)
         for i in path[:best_len]:
             chosen[i] += 1
+        if any(r > 0 for r in room):
+            self.considered += 1
+            self.declined += best_len == 0
         return chosen
 
 

@@ -290,7 +290,8 @@ class Engine:
                 "waiting": len(lane.waiting),
                 "held_for_live": bool(lane.slot_holders) and lane.width > 1,  # one slot kept free for recordings
                 "drafting": {"drafter": lane.drafter.name if lane.drafter else self.drafter, "state": lane.drafting_state,
-                             **lane.draft_counts.to_json(), "counts": lane.draft_counts.raw()},
+                             **lane.draft_counts.to_json(), "counts": lane.draft_counts.raw(),
+                             **({"planner": lane.planner.report()} if lane.planner is not None else {})},
             }
         return {"backend": self.device, "backend_name": describe_backend(self.device), "batch": self.batch,
                 "batch_from": self.batch_source, "drafter": self.drafter, "precision": self.precision,

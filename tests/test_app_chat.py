@@ -142,3 +142,26 @@ def test_event_loop_never_blocks_while_8_slots_decode_and_the_panel_draws_them(q
     drawn = panel.calibration_drawn
     assert drawn["widths"] == calibration["widths"] and drawn["chosen"] == [calibration["chosen"]]
     assert drawn["in_use"] == 8 and drawn["note"] == ""
+
+
+def test_the_engine_panel_says_why_a_drafter_drafted_nothing(qtbot):
+    """On a CPU where a draft row costs a large share of a step, the planner declines every draft: the
+    panel says so instead of showing a drafter that is 'on' and silent."""
+    from app.engine_panel import EnginePanel
+    from engine.drafting import DepthPlanner, NgramDrafter, StepCost
+
+    class Slot:  # a decoding slot whose drafts are accepted half the time
+        accept_ema = [0.5] * 8
+
+    planner = DepthPlanner(StepCost([1, 2], [10.0, 20.0]), NgramDrafter())  # one more row: a whole step
+    for _ in range(5):
+        assert planner.plan([Slot()], 1, [8]) == [0]
+    panel = EnginePanel()
+    qtbot.addWidget(panel)
+    lane = {"width": 1, "slots": [None], "waiting": 0, "drafting": {"drafter": "mtp", "state": "on", "drafted": 0,
+                                                                    "accepted": 0, "planner": planner.report()}}
+    panel.update_status({"backend": "cpu", "batch": 1, "lanes": {"smollm2-135m-instruct": lane}})
+    assert "drafter mtp: on, in 5 steps weighed here, no draft was expected to repay" in panel.lane_info.text()
+    lane["drafting"].update(drafted=12, accepted=6, acceptance=0.5)  # once it drafts, the acceptance shows instead
+    panel.update_status({"backend": "cpu", "batch": 1, "lanes": {"smollm2-135m-instruct": lane}})
+    assert "drafter mtp: on, acceptance 50%" in panel.lane_info.text() and "no draft" not in panel.lane_info.text()

@@ -296,6 +296,27 @@ def test_depth_planner_drafts_deep_when_rows_are_cheap_and_drafts_are_good():
     assert DepthPlanner(steep, NgramDrafter(), fixed_depth=3).plan([bad, good], 2, [8, 1]) == [3, 1]
 
 
+def test_the_planner_counts_the_steps_where_drafting_did_not_pay_and_the_cli_says_so():
+    from app.cli.common import drafting_note
+
+    steep = DepthPlanner(StepCost([1, 2], [10, 20]), NgramDrafter())
+    for _ in range(3):
+        steep.plan([_Seq([0.5] * 8)], 1, [8])
+    steep.plan([_Seq([0.5] * 8)], 1, [0])  # no room to draft: not a step where drafting was weighed
+    assert steep.report()["considered"] == 3 and steep.report()["declined"] == 3
+    assert "3 steps weighed" in steep.report()["note"]
+    flat = DepthPlanner(StepCost([1, 2, 4], [10, 10, 10.5]), NgramDrafter())
+    flat.plan([_Seq([0.9] * 8)], 1, [8])
+    assert flat.report() == {"considered": 1, "declined": 0}
+    lane = {"state": "on", "drafter": "mtp", "drafted": 0, "planner": steep.report()}
+    assert drafting_note(lane) == ("drafting with mtp: nothing drafted (in 3 steps weighed here, no draft was expected "
+                                   "to repay the time it adds to a step)")
+    steep.plan([_Seq([0.5] * 8)], 1, [8])
+    assert "note" not in DepthPlanner(StepCost([1, 2], [10, 20]), NgramDrafter()).report()  # nothing weighed yet
+    assert drafting_note({**lane, "planner": flat.report()}) == "drafting with mtp: nothing drafted"
+    assert drafting_note({"state": "off: no MTP head"}) == "drafting off: no MTP head"
+
+
 def test_a_draft_row_costs_what_the_two_row_calibration_shows():
     widths, one_row, two_rows = [1, 2, 4, 8], [4.0, 4.5, 6.0, 9.2], [4.3, 5.1, 7.2, 11.6]
     cost = StepCost(widths, one_row, two_rows)
@@ -377,6 +398,7 @@ def test_drafting_shows_in_status_step_log_and_results(tmp_path):
     assert stats["mean_acceptance_length"] == pytest.approx(1 + stats["accepted"] / max(1, _verifications(log)), abs=1e-3)
     lane = status["lanes"]["smollm2-135m-instruct"]["drafting"]
     assert lane["drafter"] == "ngram" and lane["drafted"] == stats["drafted"] and lane["accepted"] == stats["accepted"]
+    assert lane["planner"] == {"considered": 0, "declined": 0}  # a fixed depth: the planner weighed nothing
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert sum(sum(line["drafted"].values()) for line in lines) == stats["drafted"]
     assert sum(sum(line["accepted"].values()) for line in lines) == stats["accepted"]

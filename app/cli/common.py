@@ -147,7 +147,8 @@ def drafting_note(drafting: dict) -> str:
     if drafting.get("state") != "on":
         return f"drafting {drafting.get('state', 'off')}"
     if not drafting.get("drafted"):
-        return f"drafting with {drafting['drafter']}: nothing drafted"
+        why = (drafting.get("planner") or {}).get("note")
+        return f"drafting with {drafting['drafter']}: nothing drafted" + (f" ({why})" if why else "")
     return (f"drafting with {drafting['drafter']}: {drafting['acceptance']:.0%} of {drafting['drafted']} drafts accepted, "
             f"{drafting['mean_acceptance_length']} tokens per check")
 
