@@ -4,9 +4,10 @@ Fed by :class:`app.bridge.EngineBridge` four times a second. Per lane (one per m
 use and where it came from, the calibration curve with the chosen width, busy slots, step time,
 tokens per second over time, and per slot its tokens per second, its draft acceptance and which
 request sits in it. Drafting keys (``drafting`` per lane, with the planner's note when it found no draft
-worth its time; ``drafted``/``accepted``/``depth`` per slot) are read when the engine provides them. Drawing reuses the same plot items (``setData``), so it
-stays cheap with every slot busy. A server's engine (snapshots from app.remote_status: its /slots and
-/metrics) is drawn the same way, with a line saying what that server does not report.
+worth its time; ``drafted``/``accepted``/``depth`` per slot) are read when the engine provides them.
+Drawing reuses the same plot items (``setData``), so it stays cheap with every slot busy. A server's
+engine (snapshots from app.remote_status: its /slots and /metrics) is drawn the same way, with a line
+saying what that server does not report.
 """
 
 from __future__ import annotations
@@ -243,7 +244,7 @@ class EnginePanel(QWidget):
                  if not lane.get("remote") else "step time not reported by the server"]
         if drafting:
             rate = drafting.get("acceptance")
-            why = (drafting.get("planner") or {}).get("note") if not drafting.get("drafted") else None
+            why = (drafting.get("planner") or {}).get("note")  # only when every step it weighed drafted nothing
             info.append(f"drafter {drafting.get('drafter', '?')}: {drafting.get('state', '?')}"
                         + (f", acceptance {float(rate):.0%}" if rate is not None else "") + (f", {why}" if why else ""))
         else:

@@ -233,7 +233,8 @@ def main() -> None:
     drafters = [d.strip() for d in args.drafters.split(",")]
     for d in drafters:
         parse_drafter(d)  # a misspelt drafter stops here, not after minutes of other rows
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, precision {PRECISION or 'default'}\n\n{HEADER}", flush=True)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, precision {PRECISION or 'default'}\n\n"
+          f"{HEADER}", flush=True)
     rows = []
     if args.only in (None, "chat"):
         rows += chat_rows([int(w) for w in args.widths.split(",")], drafters, args.prompts, args.max_tokens)

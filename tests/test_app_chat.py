@@ -162,6 +162,8 @@ def test_the_engine_panel_says_why_a_drafter_drafted_nothing(qtbot):
                                                                     "accepted": 0, "planner": planner.report()}}
     panel.update_status({"backend": "cpu", "batch": 1, "lanes": {"smollm2-135m-instruct": lane}})
     assert "drafter mtp: on, in 5 steps weighed here, no draft was expected to repay" in panel.lane_info.text()
-    lane["drafting"].update(drafted=12, accepted=6, acceptance=0.5)  # once it drafts, the acceptance shows instead
+    planner.cost = StepCost([1, 2, 4], [10.0, 10.0, 10.5])  # rows got cheap (a quieter machine): it drafts
+    assert planner.plan([Slot()], 1, [8]) != [0]
+    lane["drafting"].update(drafted=12, accepted=6, acceptance=0.5, planner=planner.report())  # the acceptance instead
     panel.update_status({"backend": "cpu", "batch": 1, "lanes": {"smollm2-135m-instruct": lane}})
     assert "drafter mtp: on, acceptance 50%" in panel.lane_info.text() and "no draft" not in panel.lane_info.text()

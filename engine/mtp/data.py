@@ -145,7 +145,7 @@ class _ChatMaker:
     def close(self):
         if self.engine is not None:
             self.engine.shutdown()
-            self.engine = None
+        self.engine = self.loaded = None  # a later call starts afresh
 
     def __call__(self, prompts: list[str], n: int) -> SeqData:
         from engine.chat.reference import ChatReference, build_messages
@@ -265,30 +265,32 @@ def chat_parts(source, recipe: Recipe, folder: Path, progress,
              "more": ("chat-more", MORE_TRAIN_PROMPTS, "more chat training data"),
              "val": ("chat-val", VALIDATION_PROMPTS, "chat validation data"),
              "held": ("chat-heldout", HELD_OUT_PROMPTS, "chat held-out data")}
-    makers = {"float32": _ChatMaker(source, recipe, progress)}
+    maker = _ChatMaker(source, recipe, progress)
     try:
-        out = {part: _shards(folder, table[part][0], table[part][1], 48, makers["float32"], progress, table[part][2])
+        out = {part: _shards(folder, table[part][0], table[part][1], 48, maker, progress, table[part][2])
                for part in parts if part != "corpus"}
-        makers["float32"].close()
-        if "corpus" in parts:
-            from engine.mtp.corpus import corpus_prompts
-
-            _require_corpora()  # the prompts come from every source: without one they would silently differ
-            makers["corpus"] = _ChatMaker(source, recipe, progress, width=32, precision=recipe.answer_precision)
-            prompts = corpus_prompts(0, recipe.corpus_prompts)  # fixed, like the prompt set: shards serve any --seed
-            out["corpus"] = _shards(folder, f"chat-corpus-{recipe.answer_precision}", prompts, 128, makers["corpus"],
-                                    progress, "answers to corpus prompts")
-        return out
     finally:
-        for maker in makers.values():
+        maker.close()  # before the corpus prompts' engine starts: one engine in memory at a time
+    if "corpus" in parts:
+        from engine.mtp.corpus import corpus_prompts
+
+        _require_corpora()  # the prompts come from every source: without one they would silently differ
+        prompts = corpus_prompts(0, recipe.corpus_prompts)  # fixed, like the prompt set: shards serve any --seed
+        maker = _ChatMaker(source, recipe, progress, width=32, precision=recipe.answer_precision)
+        try:
+            out["corpus"] = _shards(folder, f"chat-corpus-{recipe.answer_precision}", prompts, 128, maker, progress,
+                                    "answers to corpus prompts")
+        finally:
             maker.close()
+    return out
 
 
 def chat_data(source, recipe: Recipe, folder: Path, progress) -> tuple[SeqData, SeqData, SeqData]:
     """(training, validation, held-out) answers of a chat model to the prompt set."""
     from engine.mtp.prompts import TRAIN_PROMPTS, mentions_held_out
 
-    wanted = ("first", "val", "held") + (("more",) if recipe.more_prompts else ()) + (("corpus",) if recipe.corpus_prompts else ())
+    wanted = (("first", "val", "held") + (("more",) if recipe.more_prompts else ())
+              + (("corpus",) if recipe.corpus_prompts else ()))
     parts = chat_parts(source, recipe, folder, progress, wanted)
     first = parts["first"]
     if len(first.lengths) == len(TRAIN_PROMPTS):  # every prompt answered: leave out those naming held-out topics
