@@ -310,3 +310,49 @@ def test_training_speech_is_the_same_bytes_every_time(tmp_path):
     second = soundfile.read(str(synthesize(text, tmp_path / "b.wav", "en-gb+m3", 150)))[0]
     assert first.size > 16000 and abs(first).max() > 0.1
     assert (first == second).all()
+
+
+def test_training_speech_with_noise_is_seeded_and_at_its_level(tmp_path):
+    """Noise mixed in by sox for the Whisper heads' data: the same bytes every time, and as far below
+    the speech as asked (the difference from the clean clip is the noise)."""
+    import numpy as np
+    import soundfile
+
+    from engine.mtp.data import synthesize
+
+    text = "Please remember to send the quarterly report to the finance team by Friday afternoon."
+    clean = soundfile.read(str(synthesize(text, tmp_path / "c.wav", "en-us+m3", 150)))[0]
+    for kind, below in (("pinknoise", 12.0), ("brownnoise", 25.0)):
+        first = soundfile.read(str(synthesize(text, tmp_path / "a.wav", "en-us+m3", 150, (kind, below))))[0]
+        second = soundfile.read(str(synthesize(text, tmp_path / "b.wav", "en-us+m3", 150, (kind, below))))[0]
+        assert (first == second).all() and first.shape == clean.shape
+        snr = 10 * np.log10(np.mean(clean ** 2) / np.mean((first - clean) ** 2))
+        assert abs(snr - below) < 0.5, (kind, below, snr)
+
+
+def test_whisper_data_on_the_default_path_is_the_engines_decoding(tiny, speech):
+    """The Whisper heads' data decodes batched windows of voice activity with the time-token rules:
+    each sequence equals the reference decoder's greedy tokens for its window token for token (then
+    the end), time tokens included and well formed, with one hidden state a position."""
+    from engine.audio import load_audio
+    from engine.mtp.data import _WhisperMaker
+    from engine.whisper.pipeline import plan_transcription
+
+    maker = _WhisperMaker(tiny, 0, timestamps=True)
+    plans = [plan_transcription(maker.ref, load_audio(speech[n]), "en", "transcribe", n, windowing="vad",
+                                timestamps=True) for n in ("fox", "report", "budget")]
+    prompt = plans[0].prompt
+    assert prompt[-1] != tiny.tokenizer.no_timestamps
+    windows = torch.stack([torch.from_numpy(p.spans[0][2]) for p in plans])
+    data = maker._decode(windows, prompt)
+    rules = maker.ref.timestamp_rules(prompt)
+    assert len(data.lengths) == 3 and data.hidden.shape == (int(data.lengths.sum()), tiny.model.config.d_model)
+    start = 0
+    for plan, length in zip(plans, data.lengths.tolist()):
+        got = data.greedy[start : start + length].tolist()
+        start += length
+        want = maker.ref.decode(maker.ref.encode(plan.spans[0][2]), prompt).tokens + [tiny.tokenizer.eot]
+        assert got == want
+        times = [t for t in got if rules.begin <= t <= rules.end]
+        assert got[0] >= rules.begin and len(times) >= 2 and times == sorted(times)
+    assert (data.emitted == data.greedy).all()

@@ -21,9 +21,13 @@ from engine.mtp.training import draft_vocabulary, train_head, use_bf16
 
 
 # ---------------------------------------------------------------------------- the command
-def model_matrices(source) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """The frozen token embedding, output matrix and end-of-text ids of a model (loaded on CPU, float32)."""
-    return matrices_of(load_frozen(source))
+def model_matrices(source, times: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """The frozen token embedding, output matrix and end-of-text ids of a model (loaded on CPU, float32),
+    and with ``times`` a Whisper model's time tokens (<|0.00|> to <|30.00|>; else none)."""
+    loaded = load_frozen(source)
+    embed, lm_head, always = matrices_of(loaded)
+    times_ids = list(range(loaded.tokenizer.no_timestamps + 1, embed.shape[0])) if times else []
+    return embed, lm_head, always, times_ids
 
 
 def matrices_of(loaded) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -60,8 +64,9 @@ def train_mtp(model: str, out: str | Path | None = None, steps: int | None = Non
     progress.done(f"data: {sizes['train_sequences']} training sequences ({sizes['train_positions']} positions), "
                   f"{sizes['val_sequences']} validation ({sizes['val_positions']}), {sizes['heldout_sequences']} "
                   f"held-out ({sizes['heldout_positions']}), {data_s:.0f} s")
-    embed, lm_head, always = model_matrices(source)
-    vocab_ids = draft_vocabulary(train, recipe.draft_vocab, always, embed.shape[0])
+    embed, lm_head, always, times = model_matrices(source, times=recipe.timestamps)
+    # with timestamps every time token is drafted, beside the recipe's count of the likeliest others
+    vocab_ids = draft_vocabulary(train, recipe.draft_vocab + len(times), always + times, embed.shape[0])
     coverage = float(torch.isin(held.greedy, vocab_ids).float().mean())
     progress.done(f"draft vocabulary: {vocab_ids.numel()} tokens, covering {coverage:.1%} of held-out targets")
     t1 = time.perf_counter()

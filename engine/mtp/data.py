@@ -7,8 +7,10 @@
   (:func:`engine.mtp.corpus.corpus_prompts`), from an engine in the precision it drafts beside.
 - Whisper: text (the chat model's answers to the same prompt split, cut into 12-80 word pieces,
   plus the prompt set's paragraphs) spoken by espeak-ng with varied voices and speeds (at most 27 s: one
-  30-s window of the engine) and transcribed greedily by the model itself (batched, with the engine's
-  prompt and token suppression), keeping the decoder's ``last_hidden_state`` at every position.
+  30-s window of the engine), some with sox's noise mixed in, and transcribed greedily by the model
+  itself (batched, with the engine's prompt, token suppression and, on the default path the recipe
+  asks for, its voice-activity window and time-token rules), keeping the decoder's
+  ``last_hidden_state`` at every position.
 
 Made once and kept in a work folder under the user cache directory, resumable shard by shard.
 """
@@ -352,29 +354,63 @@ def speech_texts(split: str, seed: int, count: int, progress) -> list[str]:
     return pieces[:count]
 
 
-def synthesize(text: str, out: Path, voice: str, rate: int) -> Path:
+NOISES = ("pinknoise", "brownnoise", "whitenoise")
+
+
+def synthesize(text: str, out: Path, voice: str, rate: int, noise: tuple[str, float] | None = None) -> Path:
     """``text`` spoken by espeak-ng as 16-kHz mono WAV at ``out``, the same bytes every time: sox dithers
-    when it resamples, from a random seed unless told to repeat itself (-R)."""
+    when it resamples, from a random seed unless told to repeat itself (-R). ``noise`` (kind, dB): sox's
+    synthetic noise of that kind (one of NOISES) mixed in that many dB below the speech's RMS."""
     raw = out.with_suffix(".raw.wav")
+    made = [raw]
     try:
         subprocess.run(["espeak-ng", "-w", str(raw), "-v", voice, "-s", str(rate), text], check=True,
                        capture_output=True)
-        subprocess.run(["sox", "-R", str(raw), "-r", "16000", "-c", "1", str(out)], check=True, capture_output=True)
+        if noise is None:
+            subprocess.run(["sox", "-R", str(raw), "-r", "16000", "-c", "1", str(out)], check=True,
+                           capture_output=True)
+            return out
+        kind, below_db = noise
+        clean, hiss = out.with_suffix(".clean.wav"), out.with_suffix(".noise.wav")
+        made += [clean, hiss]
+        subprocess.run(["sox", "-R", str(raw), "-r", "16000", "-c", "1", str(clean)], check=True, capture_output=True)
+        speech_rms, samples = _rms_and_samples(clean)
+        subprocess.run(["sox", "-R", "-r", "16000", "-c", "1", "-n", "-b", "16", str(hiss), "synth", f"{samples}s",
+                        kind, "vol", "0.5"], check=True, capture_output=True)
+        gain = speech_rms / max(_rms_and_samples(hiss)[0], 1e-9) * 10 ** (-below_db / 20)
+        subprocess.run(["sox", "-R", "-m", "-v", "1", str(clean), "-v", f"{gain:.6f}", str(hiss), str(out)],
+                       check=True, capture_output=True)
     except FileNotFoundError as exc:
         raise CadenceError(f"Training a Whisper draft head needs espeak-ng and sox installed ({exc.filename} "
                            "was not found).") from None
     finally:
-        raw.unlink(missing_ok=True)
+        for path in made:
+            path.unlink(missing_ok=True)
     return out
 
 
+def _rms_and_samples(path: Path) -> tuple[float, int]:
+    import numpy as np
+    import soundfile
+
+    samples = soundfile.read(str(path), dtype="float32")[0]
+    return float(np.sqrt(np.mean(np.square(samples)))) if samples.size else 0.0, samples.size
+
+
 class _WhisperMaker:
-    def __init__(self, loaded, seed: int, progress=quiet, language: str = "en"):
+    """Speech of the split's texts, transcribed greedily by the model itself with its hidden states. With
+    ``timestamps`` (the recipe's; the engine's default path) each clip is one voice-activity window and
+    the model writes time tokens under the engine's rules; without, one fixed window and no times.
+    ``noisy``: the share of clips with noise mixed in (seeded per clip like its voice)."""
+
+    def __init__(self, loaded, seed: int, progress=quiet, language: str = "en", timestamps: bool = False,
+                 noisy: float = 0.0):
         from engine.whisper.reference import WhisperReference
 
         self.loaded = loaded
         self.ref = WhisperReference(self.loaded)
         self.seed, self.progress, self.language = seed, progress, language
+        self.timestamps, self.noisy = timestamps, noisy
 
     def __call__(self, items: list[tuple[int, str]], n: int) -> SeqData:
         from engine.audio import load_audio
@@ -385,13 +421,16 @@ class _WhisperMaker:
             for k, (index, text) in enumerate(items):
                 rng = random.Random(self.seed * 1_000_003 + index)
                 voice, rate = rng.choice(VOICES), rng.randrange(120, 176, 5)
+                noise = (rng.choice(NOISES), rng.uniform(10, 30)) if rng.random() < self.noisy else None
                 text = " ".join(text.split()[: int(rate * 0.45)])  # at most 27 s: one window
-                wav = synthesize(text, Path(tmp) / f"{k}.wav", voice, rate)
+                wav = synthesize(text, Path(tmp) / f"{k}.wav", voice, rate, noise)
                 plan = plan_transcription(self.ref, load_audio(wav), self.language, "transcribe", wav.name,
-                                          windowing="fixed")
+                                          windowing="vad" if self.timestamps else "fixed", timestamps=self.timestamps)
+                if not plan.spans:  # no speech found (never for espeak-ng's voices; kept out rather than guessed)
+                    continue
                 prompt = plan.prompt
                 windows.append(torch.from_numpy(plan.spans[0][2]))
-                texts.append(f"{voice} {rate}: {text}")
+                texts.append(f"{voice} {rate}{f' {noise[0]} -{noise[1]:.0f} dB' if noise else ''}: {text}")
                 self.progress(f"speech shard {n + 1}: {k + 1}/{len(items)} clips spoken")
         parts = []
         for b in range(0, len(windows), 8):
@@ -403,15 +442,18 @@ class _WhisperMaker:
         return data
 
     @torch.inference_mode()
-    def _decode(self, feats: torch.Tensor, prompt: list[int], max_new: int = 160) -> SeqData:
-        """Greedy transcription of B windows at once (the engine's rules), keeping each position's hidden state."""
+    def _decode(self, feats: torch.Tensor, prompt: list[int], max_new: int = 224) -> SeqData:
+        """Greedy transcription of B windows at once (the engine's rules, time tokens' included when the
+        prompt asks for them), keeping each position's hidden state."""
         model, ref = self.loaded.model, self.ref
+        rules = ref.timestamp_rules(prompt)
         B = feats.shape[0]
         enc = model.model.encoder(input_features=feats).last_hidden_state
         ids = torch.tensor([prompt] * B)
         out = model.model.decoder(input_ids=ids, encoder_hidden_states=enc, use_cache=True)
         cache, h = out.cache, out.last_hidden_state[:, -1]
         hiddens, tokens = [], []
+        written: list[list[int]] = [[] for _ in range(B)]
         done = torch.zeros(B, dtype=torch.bool)
         lengths = torch.zeros(B, dtype=torch.long)
         for step in range(max_new):
@@ -419,9 +461,16 @@ class _WhisperMaker:
             logits[:, ref.suppress] = -float("inf")
             if step == 0:
                 logits[:, ref.begin_suppress] = -float("inf")
+            if rules is not None:
+                for r in range(B):
+                    if not done[r]:
+                        rules.apply(logits[r], written[r])
             tok = logits.argmax(-1)
             hiddens.append(h.float().clone())
             tokens.append(tok)
+            for r in range(B):
+                if not done[r]:
+                    written[r].append(int(tok[r]))
             lengths += (~done).long()
             done |= tok == ref.tok.eot
             if bool(done.all()):
@@ -434,12 +483,18 @@ class _WhisperMaker:
                        torch.cat([T[r, : lengths[r]] for r in keep]), lengths[keep].clone())
 
 
+def speech_prefix(recipe: Recipe, split: str) -> str:
+    """The shard name of a split's speech: data on the default path (voice-activity window, time tokens,
+    some noise) is kept apart from the earlier data without times."""
+    return f"speech-ts-{split}" if recipe.timestamps else f"speech-{split}"
+
+
 def whisper_data(source, recipe: Recipe, folder: Path, seed: int, progress) -> tuple[SeqData, SeqData, SeqData]:
     """(training, validation, held-out) speech of a Whisper model, transcribed by itself."""
     maker = None
     out = []
     for split, count in (("train", recipe.train_clips), ("val", recipe.val_clips), ("heldout", recipe.heldout_clips)):
-        prefix = f"speech-{split}"
+        prefix = speech_prefix(recipe, split)
         if all((folder / f"{prefix}-{n:03d}.safetensors").is_file() for n in range(math.ceil(count / 32))):
             items = [(0, "")] * count  # every shard is there: no text needed
         else:
@@ -448,7 +503,8 @@ def whisper_data(source, recipe: Recipe, folder: Path, seed: int, progress) -> t
         def make(chunk, n):
             nonlocal maker
             if maker is None:
-                maker = _WhisperMaker(load_frozen(source), seed, progress)
+                maker = _WhisperMaker(load_frozen(source), seed, progress, timestamps=recipe.timestamps,
+                                      noisy=recipe.noisy)
             return maker(chunk, n)
 
         out.append(_shards(folder, prefix, items, 32, make, progress, f"speech {split} data"))
@@ -469,9 +525,12 @@ def chat_sample(loaded, prompts: list[str], max_tokens: int = 64) -> SeqData:
     return _teacher_force_chat(loaded, ids, answers, [""] * len(prompts))
 
 
-def speech_sample(loaded, texts: list[str], seed: int = 0) -> SeqData:
-    """Speech of a few texts, transcribed greedily by a loaded Whisper model, with hidden states."""
-    return _WhisperMaker(loaded, seed)([(i, t) for i, t in enumerate(texts)], 0)
+def speech_sample(loaded, texts: list[str], seed: int = 0, timestamps: bool | None = None) -> SeqData:
+    """Speech of a few texts (clean), transcribed greedily by a loaded Whisper model, with hidden states;
+    on the path its recipe trains on unless ``timestamps`` says."""
+    if timestamps is None:
+        timestamps = recipe_for(loaded.source.name)[0].timestamps
+    return _WhisperMaker(loaded, seed, timestamps=timestamps)([(i, t) for i, t in enumerate(texts)], 0)
 
 
 def load_heldout(model: str, data_dir: str | Path | None = None, split: str = "heldout") -> SeqData | None:
@@ -481,6 +540,6 @@ def load_heldout(model: str, data_dir: str | Path | None = None, split: str = "h
     if recipe.kind == "chat":
         prefix = {"heldout": "chat-heldout", "val": "chat-val"}[split]
     else:
-        prefix = f"speech-{split}"
+        prefix = speech_prefix(recipe, split)
     paths = sorted(folder.glob(f"{prefix}-*.safetensors"))
     return SeqData.concat([SeqData.load(p) for p in paths]) if paths else None

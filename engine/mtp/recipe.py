@@ -25,6 +25,8 @@ class Recipe:
     train_clips: int = 640  # whisper
     heldout_clips: int = 96
     val_clips: int = 32
+    timestamps: bool = False  # whisper: the default path's data (a voice-activity window, time tokens)
+    noisy: float = 0.0  # whisper: share of clips with noise mixed in by sox (10-30 dB below the speech)
     eval_every: int = 250
     checkpoint_every: int = 100
     dropout: float = 0.0  # on the MLP's inner activations, training only
@@ -45,10 +47,11 @@ class Recipe:
 RECIPES = {
     "smollm2-135m-instruct": Recipe("chat", steps=3000, draft_vocab=6144, ffn_mult=1.0, corpus_prompts=21 * 128,
                                     soft=0.5, regress=1.0),
-    "whisper-tiny.en": Recipe("whisper", steps=1500, draft_vocab=4096, ffn_mult=2.0, train_clips=576, heldout_clips=64,
-                              soft=0.5, regress=1.0),
-    "whisper-base": Recipe("whisper", steps=1500, draft_vocab=4096, ffn_mult=1.5, train_clips=256, heldout_clips=64,
-                           soft=0.5, regress=1.0),
+    # Whisper: draft_vocab counts text tokens; with timestamps every time token is drafted as well
+    "whisper-tiny.en": Recipe("whisper", steps=2000, draft_vocab=4096, ffn_mult=2.0, train_clips=768, heldout_clips=64,
+                              soft=0.5, regress=1.0, timestamps=True, noisy=0.5),
+    "whisper-base": Recipe("whisper", steps=2000, draft_vocab=4096, ffn_mult=1.5, train_clips=384, heldout_clips=64,
+                           soft=0.5, regress=1.0, timestamps=True, noisy=0.5),
 }
 # `--design context` (chat models): an attention head on the model's answers to the first prompt batch and to
 # 2688 prompts made from corpus passages (docs/MTP.md, "Context heads"); the draft vocabulary stays the recipe's.
