@@ -198,10 +198,12 @@ def whisper_rows(models, widths, drafters, work: Path) -> list[dict]:
     print(f"Whisper speech: {len(clips)} held-out clips, {sum(len(c) for c in clips) / 16000:.0f} s", flush=True)
     rows = []
     for model in models:
-        warmup = TranscribeRequest(clips[0][:16000 * 3], model=model, language="en")
+        # the default path of the app and `cadence transcribe`: voice-activity windows, timestamps
+        warmup = TranscribeRequest(clips[0][:16000 * 3], model=model, language="en", timestamps=True)
         for width in widths:
             for r in measure(model, width, drafters,
-                             lambda m=model: [TranscribeRequest(c, model=m, language="en") for c in clips], warmup):
+                             lambda m=model: [TranscribeRequest(c, model=m, language="en", timestamps=True)
+                                              for c in clips], warmup):
                 rows.append(r)
     return rows
 
