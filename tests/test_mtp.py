@@ -11,7 +11,8 @@ import torch
 from engine.errors import CadenceError
 from engine.mtp.head import MTPHead, head_path, load_head, read_head
 from engine.mtp.command import matrices_of
-from engine.mtp.data import SeqData, chat_sample, speech_sample
+from engine.mtp.data import SeqData, chat_sample
+from engine.mtp.speech_data import speech_sample
 from engine.mtp.recipe import Recipe, recipe_for
 from engine.mtp.replay import all_chains, calibrate, measure, replay
 from engine.mtp.training import train_head
@@ -303,7 +304,7 @@ def test_training_speech_is_the_same_bytes_every_time(tmp_path):
     resampling dither is seeded), and it is speech, not silence."""
     import soundfile
 
-    from engine.mtp.data import synthesize
+    from engine.mtp.speech_data import synthesize
 
     text = "The cat slept on the warm windowsill while snow fell quietly outside."
     first = soundfile.read(str(synthesize(text, tmp_path / "a.wav", "en-gb+m3", 150)))[0]
@@ -318,7 +319,7 @@ def test_training_speech_with_noise_is_seeded_and_at_its_level(tmp_path):
     import numpy as np
     import soundfile
 
-    from engine.mtp.data import synthesize
+    from engine.mtp.speech_data import synthesize
 
     text = "Please remember to send the quarterly report to the finance team by Friday afternoon."
     clean = soundfile.read(str(synthesize(text, tmp_path / "c.wav", "en-us+m3", 150)))[0]
@@ -335,7 +336,7 @@ def test_whisper_data_on_the_default_path_is_the_engines_decoding(tiny, speech):
     each sequence equals the reference decoder's greedy tokens for its window token for token (then
     the end), time tokens included and well formed, with one hidden state a position."""
     from engine.audio import load_audio
-    from engine.mtp.data import _WhisperMaker
+    from engine.mtp.speech_data import _WhisperMaker
     from engine.whisper.pipeline import plan_transcription
 
     maker = _WhisperMaker(tiny, 0, timestamps=True)

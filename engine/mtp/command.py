@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from engine.errors import CadenceError
-from engine.mtp.data import DATA_VERSION, SeqData, chat_data, corpus_data, load_frozen, whisper_data, work_dir
+from engine.mtp.data import DATA_VERSION, SeqData, chat_data, corpus_data, load_frozen, work_dir
+from engine.mtp.speech_data import whisper_data
 from engine.mtp.head import head_path, read_head
 from engine.mtp.progress import Progress
 from engine.mtp.recipe import recipe_for
