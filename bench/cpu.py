@@ -263,10 +263,13 @@ def shipped_agreement() -> str:
 
 
 def whisper_part(quick: bool) -> None:
-    from engine.kernels import precisions_on
+    from engine.kernels import precisions_on, unquantized_dtype
+    from engine.many_rows_int8 import encoder_int8_engine
 
     specs = ["fw-int8", "fw", "fw-batched-int8", "fw-batched-ts-int8", "cadence-ts@auto"]
     specs += [f"cadence-ts@{p}" for p in precisions_on("cpu")] + ["cadence-fixed@auto"]
+    if encoder_int8_engine(unquantized_dtype("int8", "cpu")):  # int8's encoder as it was before it, beside it
+        specs.insert(specs.index("cadence-ts@int8") + 1, "cadence-ts@int8+float-encoder")
     command = [sys.executable, str(ROOT / "bench" / "transcription.py"), "--engines", ",".join(specs),
                "--reference", "fw-int8", "--fw-timestamps"] + (["--quick"] if quick else [])
     print(f"\n## Whisper: `{' '.join(command[1:])}`\n", flush=True)

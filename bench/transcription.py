@@ -40,6 +40,7 @@ Run it on a quiet machine (another PyTorch process on the same cores slows both 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import random
 import shutil
@@ -297,9 +298,27 @@ def encoder_seconds(model: str) -> float:
 
 
 # ---------------------------------------------------------------------------- engine specs
+FLOAT_ENCODER = "float-encoder"  # ``@int8+float-encoder``: int8's encoder unquantized, as before engine/many_rows_int8.py
+
+
+@contextlib.contextmanager
+def float_encoder(asked: bool):
+    """While ``asked``, Whisper's int8 encoder runs in float whatever this machine's recorded choice."""
+    import engine.many_rows_int8 as many_rows_int8
+
+    kept = dict(many_rows_int8._CHOICE)
+    if asked:
+        many_rows_int8._CHOICE.update({torch.float32: "float", torch.bfloat16: "float"})
+    try:
+        yield
+    finally:
+        many_rows_int8._CHOICE.clear()
+        many_rows_int8._CHOICE.update(kept)
+
+
 def engine_name(spec: str, width, fw_batch: int) -> str:
     """What a row of the table calls an engine spec: ``KIND[@PRECISION]`` for Cadence (KIND: cadence,
-    cadence-fixed, cadence-ts; PRECISION: float32 by default, or bfloat16, int8, auto), and fw,
+    cadence-fixed, cadence-ts; PRECISION: float32 by default, or bfloat16, int8, auto, int8+float-encoder), and fw,
     fw-batched, fw-batched-ts, each with ``-int8`` for faster-whisper's int8 compute type."""
     kind, _, precision = spec.partition("@")
     if kind.startswith("cadence"):
@@ -317,8 +336,10 @@ def engine_name(spec: str, width, fw_batch: int) -> str:
 def run_spec(spec: str, model: str, paths: list[Path], width, folder: Path, threads: int, fw_batch: int) -> Run:
     kind, _, precision = spec.partition("@")
     if kind.startswith("cadence"):
-        return run_cadence(model, paths, width, "fixed" if kind == "cadence-fixed" else "vad", kind == "cadence-ts",
-                           precision or "float32")
+        precision, _, encoder = precision.partition("+")
+        with float_encoder(encoder == FLOAT_ENCODER):
+            return run_cadence(model, paths, width, "fixed" if kind == "cadence-fixed" else "vad",
+                               kind == "cadence-ts", precision or "float32")
     compute = "int8" if kind.endswith("-int8") else "float32"
     kind = kind.removesuffix("-int8")
     return run_faster_whisper(model, paths, folder / compute, threads, fw_batch if kind.startswith("fw-batched") else 0,

@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from engine import native
+from engine import many_rows_int8, native
 from engine.kernels import Linear, activation_dtype, attention_dtype, precision_of, unquantized_dtype
 from engine.loading import LoadedModel
 from engine.seam import BatchedDecoder, SlotKVCache, StepBatch, attend, attend_fixed, attention_way, round_up
@@ -49,6 +49,19 @@ class _EncoderLayer:
     ffn_norm: tuple[torch.Tensor, torch.Tensor]
     fc1: Linear
     fc2: Linear
+
+
+class _EncoderPrep(WeightPrep):
+    """The encoder's layers: unquantized, or on ``int8_engine``'s integer products (engine.many_rows_int8)."""
+
+    def __init__(self, loaded: LoadedModel, precision: str, int8_engine: str | None):
+        super().__init__(loaded, precision)
+        self.int8_engine = int8_engine
+
+    def linear(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None = None, invariant: bool = True):
+        if self.int8_engine:
+            return many_rows_int8.ManyRowsInt8Linear(weight, bias, self.int8_engine)
+        return super().linear(name, weight, bias, invariant)
 
 
 def memory_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -80,10 +93,16 @@ class WhisperBatched(BatchedDecoder):
         dtype = self.dtype = activation_dtype(precision, self.embed.device)
         prep = WeightPrep(loaded, precision, keep_4bit)
         self.weights_from_cache = prep.from_cache
-        # The encoder is compute-bound (1500 rows a window): int8 weights would only add dequantizing
-        # work there, so with int8 it runs unquantized, in bfloat16 where the machine has it.
+        # The encoder is compute-bound (1500 rows a window): int8 weights read by the decode kernels would
+        # only add dequantizing work there, so with int8 it runs on 8-bit integer products where this
+        # CPU has faster ones (engine.many_rows_int8, measured once per machine), else unquantized (in
+        # bfloat16 where the machine has it).
         dtype_e = self.encoder_dtype = unquantized_dtype(precision, self.embed.device)
-        encoder_prep = prep if precision != "int8" else WeightPrep(loaded, precision_of(dtype_e))
+        self.encoder_int8 = (many_rows_int8.encoder_int8_engine(dtype_e)
+                             if precision == "int8" and self.embed.device.type == "cpu" else None)
+        if self.encoder_int8:
+            dtype_e = self.encoder_dtype = torch.float32
+        encoder_prep = prep if precision != "int8" else _EncoderPrep(loaded, precision_of(dtype_e), self.encoder_int8)
         self.conv1 = (encoder.conv1.weight.detach().to(dtype_e), encoder.conv1.bias.detach().to(dtype_e))
         self.conv2 = (encoder.conv2.weight.detach().to(dtype_e), encoder.conv2.bias.detach().to(dtype_e))
         self.encoder_positions = encoder.embed_positions.weight.detach().to(dtype_e)
@@ -176,18 +195,18 @@ class WhisperBatched(BatchedDecoder):
             x = F.gelu(F.conv1d(windows.to(self.encoder_dtype), *self.conv1, padding=1))
             x = F.gelu(F.conv1d(x, *self.conv2, stride=2, padding=1)).transpose(1, 2)  # [n, M, d]
             n, M, d = x.shape
-            x = (x + self.encoder_positions[:M]).reshape(n * M, d)
+            x = x + self.encoder_positions[:M]  # [n, M, d]: each window its own rows (int8 rounds per window)
         yield
         H, D = self.encoder_heads, d // self.encoder_heads
         for layer in self.encoder_layers:
             with torch.inference_mode():
                 qkv = layer.qkv(self._norm(x, layer.attn_norm)).view(n, M, 3, H, D).permute(2, 0, 3, 1, 4)
                 attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # [n, H, M, D]
-                x = x + layer.out(attn.transpose(1, 2).reshape(n * M, d))
+                x = x + layer.out(attn.transpose(1, 2).reshape(n, M, d))
                 x = x + layer.fc2(F.gelu(layer.fc1(self._norm(x, layer.ffn_norm))))
             yield
         with torch.inference_mode():
-            return self._norm(x, self.encoder_norm).view(n, M, d)
+            return self._norm(x, self.encoder_norm)
 
     def encode(self, windows: torch.Tensor) -> torch.Tensor:
         """[n, mels, 3000] log-mel windows -> [n, 1500, d] encoder states, in one go."""
