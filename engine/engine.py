@@ -197,7 +197,10 @@ class Engine:
                 precision = choice.chosen
             # int8: a model's 4-bit layers kept so, unless auto timed them faster rounded to int8 here
             keep_4bit = choice.candidates[precision].get("keep_4bit", True) if choice is not None else True
-            decoder = Decoder(loaded, precision=precision, keep_4bit=keep_4bit)
+            # Whisper int8: the encoder in float where auto found its integer products outside the word bound
+            float_encoder = choice is not None and choice.candidates[precision].get("float_encoder", False)
+            decoder = Decoder(loaded, precision=precision, keep_4bit=keep_4bit,
+                              **({"float_encoder": True} if float_encoder else {}))
             # int8 chat: generated tokens on integer products where auto measured that and it qualified,
             # or, int8 asked for by name, on the 16-bit ones where they are faster here
             from engine.precision import INTEGER_WAYS, asked_int8_way, four_bit_products
@@ -214,6 +217,8 @@ class Engine:
                 way = "-integer-" + entry["integer_way"].replace(" ", "-")  # its width calibration is its own
             if not keep_4bit:
                 way += "-rounded-4-bit"
+            if getattr(decoder, "encoder_int8", None):  # (its own calibration: the encoder's time differs)
+                way += "-int8-encoder"
             asked = self.context if isinstance(self.context, int) and loaded.family == CHAT else None
             if asked:  # the width's memory bound is reckoned at the length asked for
                 decoder.max_len = min(decoder.context_limit, asked)

@@ -303,6 +303,14 @@ def whisper_transcript(decoder, reference, samples) -> str:
     return " ".join(tok.decode(t).strip() for t in texts)
 
 
+def _whisper_entry(decoder, reference, samples, text: str, base_wer: float, precision: str) -> dict:
+    from engine.wer import wer as word_error_rate
+
+    wer = base_wer if precision == "float32" else word_error_rate(text, whisper_transcript(decoder, reference, samples))
+    return {"wer": round(wer, 4), "qualifies": wer <= base_wer + MAX_WER_RISE,
+            **whisper_speed(decoder, reference.model.config.num_mel_bins)}
+
+
 def whisper_speed(decoder, mel_bins: int) -> dict:
     from engine.calibration import time_step
 
@@ -366,10 +374,12 @@ def _choose(loaded, reference, build, identity: str, path: Path, use_cache: bool
                     decoder = build(precision, keep_4bit=False)
                     entry = _keep_4bit_or_not(entry, _chat_entry(decoder, precision, prompts, answers))
             else:
-                wer = base_wer if precision == "float32" else word_error_rate(
-                    text, whisper_transcript(decoder, reference, samples))
-                entry = {"wer": round(wer, 4), "qualifies": wer <= base_wer + MAX_WER_RISE,
-                         **whisper_speed(decoder, loaded.model.config.num_mel_bins)}
+                entry = _whisper_entry(decoder, reference, samples, text, base_wer, precision)
+                if not entry["qualifies"] and getattr(decoder, "encoder_int8", None):  # its encoder in float, then
+                    del decoder
+                    decoder = build(precision, float_encoder=True)
+                    entry = {**_whisper_entry(decoder, reference, samples, text, base_wer, precision),
+                             "float_encoder": True, "int8_encoder_wer": entry["wer"]}
             choice.candidates[precision] = entry
             del decoder
         again = (chat_speed(base) if chat else whisper_speed(base, loaded.model.config.num_mel_bins))["score"]
@@ -395,6 +405,9 @@ def _why(choice: PrecisionChoice, chat: bool) -> str:
     speed = (f"{best['tok_s'][1]:.0f} tok/s alone, {best['tok_s'][8]:.0f} at width 8" if chat
              else f"{best['window_ms']:.0f} ms a 30-s window")
     notes = []
+    if best.get("float_encoder"):
+        notes.append(f"its encoder in float: on 8-bit integer products the check speech read {best['int8_encoder_wer']:.1%}"
+                     f" against float32's {base['wer']:.1%}")
     if best.get("four_bit"):  # (measured just now: tok/s keyed by width)
         other = best["other_4bit_way"]["tok_s"]
         other_speed = f"{other[1]:.0f} and {other[8]:.0f} tok/s"

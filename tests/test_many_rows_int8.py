@@ -30,6 +30,20 @@ def test_each_window_is_rounded_alone_and_each_row_by_its_own_scale(engine):
     assert error[1].max() < 0.03 and error[1, 7] < 0.03
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_rows_at_the_top_of_the_range_do_not_overflow(engine):
+    """An AVX2 kernel sums pairs of 8-bit products in 16 bits (vpmaddubsw), which 8-bit inputs overflow
+    (a row of 512 ones gave 4.0, not 512): REDUCE_RANGE keeps inputs to 7 bits, so they cannot."""
+    weights = [torch.ones(16, 512), torch.ones(16, 512)]
+    weights[1][:, ::2] = -1
+    rows = torch.ones(3, 512)
+    rows[1] = -1
+    rows[2, ::2] = -1
+    for weight in weights:
+        got, exact = ManyRowsInt8Linear(weight, None, engine)(rows), rows @ weight.T
+        assert torch.allclose(got, exact, rtol=0.02, atol=1e-3), (got[:, 0], exact[:, 0])
+
+
 def test_the_choice_is_measured_once_and_recorded(monkeypatch, tmp_path):
     import engine.kernels as kernels
 
@@ -67,3 +81,46 @@ def test_whisper_int8_encoder_keeps_windows_apart_and_the_words(tiny, monkeypatc
     reference = WhisperReference(tiny)
     float_words = wer(text, whisper_transcript(WhisperBatched(tiny, width=4, precision="float32"), reference, samples))
     assert wer(text, whisper_transcript(decoder, reference, samples)) <= float_words + MAX_WER_RISE
+
+
+@pytest.mark.parametrize("engine", ENGINES[:1])
+def test_auto_keeps_int8_with_a_float_encoder_where_the_integer_one_misses_the_words(tiny, speech, monkeypatch, engine):
+    """Where Whisper's words on the encoder's integer products fall outside auto's bound, auto measures int8
+    again with its encoder in float, records that, and the engine's lane is built so."""
+    import json
+
+    import engine.precision as precision
+    from engine import Engine, TranscribeRequest
+    from engine.calibration import device_identity
+    from engine.families.whisper import WhisperBatched
+    from engine.loading import source_key
+    from engine.precision import _cache_file, choose_precision
+    from engine.whisper.reference import WhisperReference
+
+    monkeypatch.setattr(many_rows_int8, "_CHOICE", {torch.float32: engine})
+    text = precision.check_speech()[1]
+    monkeypatch.setattr(precision, "whisper_transcript",  # the integer encoder "hears" nothing here
+                        lambda decoder, reference, samples: "" if getattr(decoder, "encoder_int8", None) else text)
+    key = "int8-encoder-words-" + source_key(tiny.source)
+    choice = choose_precision(tiny, WhisperReference(tiny), lambda p, **kw: WhisperBatched(tiny, precision=p, **kw),
+                              key, use_cache=False)
+    entry = choice.candidates["int8"]
+    assert entry["qualifies"] and entry["float_encoder"] and entry["int8_encoder_wer"] == 1.0 and entry["wer"] == 0.0
+    if choice.chosen == "int8":
+        assert "its encoder in float: on 8-bit integer products the check speech read 100.0%" in choice.why
+    path = _cache_file(source_key(tiny.source), device_identity("cpu"))  # what the engine reads for tiny.en
+    kept = path.read_text() if path.is_file() else None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**choice.to_json(), "chosen": "int8"}))
+    served = Engine(backend="cpu", batch=2, drafter="off", precision="auto")
+    try:
+        assert "fox" in served.submit(TranscribeRequest(speech["fox"])).result(600).text.lower()
+        decoder = served._lanes["whisper-tiny.en"].decoder
+        assert decoder.precision == "int8" and decoder.encoder_int8 is None
+        assert not isinstance(decoder.encoder_layers[0].fc1, ManyRowsInt8Linear)
+    finally:
+        served.shutdown()
+        if kept is None:
+            path.unlink()
+        else:
+            path.write_text(kept)

@@ -132,14 +132,15 @@ def test_auto_measures_picks_and_records_its_choice(tiny, speech):
     from engine.whisper.reference import WhisperReference
 
     reference = WhisperReference(tiny)
-    choice = choose_precision(tiny, reference, lambda p: WhisperBatched(tiny, precision=p), source_key(tiny.source))
+    choice = choose_precision(tiny, reference, lambda p, **kw: WhisperBatched(tiny, precision=p, **kw),
+                              source_key(tiny.source))
     assert set(choice.candidates) == set(OFFERED) and choice.chosen in OFFERED
     assert choice.candidates["float32"]["qualifies"]
     best = max((p for p, e in choice.candidates.items() if e["qualifies"]), key=lambda p: choice.candidates[p]["score"])
     assert choice.chosen == best and choice.why.startswith(f"{choice.chosen}: the fastest within quality bounds")
     stored = list((cache_dir() / "precision").glob("*.json"))
     assert any(json.loads(p.read_text())["chosen"] == choice.chosen for p in stored)
-    assert choose_precision(tiny, reference, lambda p: WhisperBatched(tiny, precision=p),
+    assert choose_precision(tiny, reference, lambda p, **kw: WhisperBatched(tiny, precision=p, **kw),
                             source_key(tiny.source)).from_cache
     engine = Engine(backend="cpu", batch=2, precision="auto")
     try:
@@ -178,7 +179,7 @@ def test_a_choice_measured_while_the_machine_got_busy_serves_but_is_not_kept(tin
     monkeypatch.setattr(engine.precision, "whisper_transcript", lambda decoder, reference, samples: text)
     monkeypatch.setattr(engine.calibration, "UNSTEADY", SHIPPED_UNSTEADY)  # (the suite keeps every choice)
     key = "busy-" + source_key(tiny.source)
-    choice = choose_precision(tiny, WhisperReference(tiny), lambda p: WhisperBatched(tiny, precision=p), key)
+    choice = choose_precision(tiny, WhisperReference(tiny), lambda p, **kw: WhisperBatched(tiny, precision=p, **kw), key)
     assert timed[0] == timed[-1] == "float32" and timed.count("float32") == 2
     assert not choice.steady and choice.chosen in OFFERED
     assert "Measured while the machine was busy (float32: a 30-s window in" in choice.why

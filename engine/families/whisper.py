@@ -83,7 +83,8 @@ class WhisperBatched(BatchedDecoder):
     family = "whisper"
     architecture = "whisper"
 
-    def __init__(self, loaded: LoadedModel, width: int = 1, precision: str = "float32", keep_4bit: bool | None = None):
+    def __init__(self, loaded: LoadedModel, width: int = 1, precision: str = "float32", keep_4bit: bool | None = None,
+                 float_encoder: bool = False):
         hf = loaded.model
         cfg = hf.config
         decoder = hf.model.decoder
@@ -98,8 +99,8 @@ class WhisperBatched(BatchedDecoder):
         # CPU has faster ones (engine.many_rows_int8, measured once per machine), else unquantized (in
         # bfloat16 where the machine has it).
         dtype_e = self.encoder_dtype = unquantized_dtype(precision, self.embed.device)
-        self.encoder_int8 = (many_rows_int8.encoder_int8_engine(dtype_e)
-                             if precision == "int8" and self.embed.device.type == "cpu" else None)
+        self.encoder_int8 = (many_rows_int8.encoder_int8_engine(dtype_e)  # float_encoder: kept unquantized
+                             if precision == "int8" and self.embed.device.type == "cpu" and not float_encoder else None)
         if self.encoder_int8:
             dtype_e = self.encoder_dtype = torch.float32
         encoder_prep = prep if precision != "int8" else _EncoderPrep(loaded, precision_of(dtype_e), self.encoder_int8)
