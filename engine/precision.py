@@ -307,8 +307,11 @@ def _whisper_entry(decoder, reference, samples, text: str, base_wer: float, prec
     from engine.wer import wer as word_error_rate
 
     wer = base_wer if precision == "float32" else word_error_rate(text, whisper_transcript(decoder, reference, samples))
-    return {"wer": round(wer, 4), "qualifies": wer <= base_wer + MAX_WER_RISE,
-            **whisper_speed(decoder, reference.model.config.num_mel_bins)}
+    entry = {"wer": round(wer, 4), "qualifies": wer <= base_wer + MAX_WER_RISE,
+             **whisper_speed(decoder, reference.model.config.num_mel_bins)}
+    if getattr(decoder, "encoder_int8", None):
+        entry["int8_encoder"] = decoder.encoder_int8  # the quantized engine its encoder's products ran on
+    return entry
 
 
 def whisper_speed(decoder, mel_bins: int) -> dict:
@@ -405,6 +408,8 @@ def _why(choice: PrecisionChoice, chat: bool) -> str:
     speed = (f"{best['tok_s'][1]:.0f} tok/s alone, {best['tok_s'][8]:.0f} at width 8" if chat
              else f"{best['window_ms']:.0f} ms a 30-s window")
     notes = []
+    if best.get("int8_encoder"):
+        notes.append("its encoder on 8-bit integer products")
     if best.get("float_encoder"):
         notes.append(f"its encoder in float: on 8-bit integer products the check speech read {best['int8_encoder_wer']:.1%}"
                      f" against float32's {base['wer']:.1%}")

@@ -106,8 +106,15 @@ def test_auto_keeps_int8_with_a_float_encoder_where_the_integer_one_misses_the_w
                               key, use_cache=False)
     entry = choice.candidates["int8"]
     assert entry["qualifies"] and entry["float_encoder"] and entry["int8_encoder_wer"] == 1.0 and entry["wer"] == 0.0
+    assert "int8_encoder" not in entry
     if choice.chosen == "int8":
         assert "its encoder in float: on 8-bit integer products the check speech read 100.0%" in choice.why
+    monkeypatch.setattr(precision, "whisper_transcript", lambda decoder, reference, samples: text)
+    again = choose_precision(tiny, WhisperReference(tiny), lambda p, **kw: WhisperBatched(tiny, precision=p, **kw),
+                             key, use_cache=False)  # the words hold on integer products: they are kept, and said
+    assert again.candidates["int8"]["int8_encoder"] == engine and "float_encoder" not in again.candidates["int8"]
+    if again.chosen == "int8":
+        assert "(its encoder on 8-bit integer products)" in again.why
     path = _cache_file(source_key(tiny.source), device_identity("cpu"))  # what the engine reads for tiny.en
     kept = path.read_text() if path.is_file() else None
     path.parent.mkdir(parents=True, exist_ok=True)
