@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import shutil
@@ -187,6 +188,19 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("-", "memory and time of each test process")
         for line in _MEMORY_SUMMARY:
             terminalreporter.write_line(line)
+
+
+@contextlib.contextmanager
+def file_restored(path: Path):
+    """The file at ``path`` (or its absence) as it was before the block, whatever the block wrote there."""
+    kept = path.read_text() if path.is_file() else None
+    try:
+        yield path
+    finally:
+        if kept is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_text(kept)
 
 
 @pytest.fixture(scope="session")

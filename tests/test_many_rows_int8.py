@@ -5,6 +5,7 @@ not blur the others), and the words of the bundled check speech stay within auto
 
 import pytest
 import torch
+from conftest import file_restored
 
 import engine.many_rows_int8 as many_rows_int8
 from engine.many_rows_int8 import ManyRowsInt8Linear, engines_here
@@ -116,18 +117,14 @@ def test_auto_keeps_int8_with_a_float_encoder_where_the_integer_one_misses_the_w
     if again.chosen == "int8":
         assert "(its encoder on 8-bit integer products)" in again.why
     path = _cache_file(source_key(tiny.source), device_identity("cpu"))  # what the engine reads for tiny.en
-    kept = path.read_text() if path.is_file() else None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**choice.to_json(), "chosen": "int8"}))
-    served = Engine(backend="cpu", batch=2, drafter="off", precision="auto")
-    try:
-        assert "fox" in served.submit(TranscribeRequest(speech["fox"])).result(600).text.lower()
-        decoder = served._lanes["whisper-tiny.en"].decoder
-        assert decoder.precision == "int8" and decoder.encoder_int8 is None
-        assert not isinstance(decoder.encoder_layers[0].fc1, ManyRowsInt8Linear)
-    finally:
-        served.shutdown()
-        if kept is None:
-            path.unlink()
-        else:
-            path.write_text(kept)
+    with file_restored(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**choice.to_json(), "chosen": "int8"}))
+        served = Engine(backend="cpu", batch=2, drafter="off", precision="auto")
+        try:
+            assert "fox" in served.submit(TranscribeRequest(speech["fox"])).result(600).text.lower()
+            decoder = served._lanes["whisper-tiny.en"].decoder
+            assert decoder.precision == "int8" and decoder.encoder_int8 is None
+            assert not isinstance(decoder.encoder_layers[0].fc1, ManyRowsInt8Linear)
+        finally:
+            served.shutdown()

@@ -6,10 +6,11 @@ reload from their cache unchanged, a precision the machine lacks is refused in o
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
-from conftest import SHIPPED_UNSTEADY
+from conftest import SHIPPED_UNSTEADY, file_restored
 
 from engine import ChatRequest, Engine, TranscribeRequest
 from engine.errors import CadenceError, RequestError
@@ -137,7 +138,7 @@ def test_auto_measures_picks_and_records_its_choice(tiny, speech):
     assert set(choice.candidates) == set(OFFERED) and choice.chosen in OFFERED
     assert choice.candidates["float32"]["qualifies"]
     best = max((p for p, e in choice.candidates.items() if e["qualifies"]), key=lambda p: choice.candidates[p]["score"])
-    assert choice.chosen == best and choice.why.startswith(f"{choice.chosen}: the fastest within quality bounds")
+    assert choice.chosen == best and re.match(rf"{choice.chosen}( \(.+\))?: the fastest within quality bounds", choice.why)
     stored = list((cache_dir() / "precision").glob("*.json"))
     assert any(json.loads(p.read_text())["chosen"] == choice.chosen for p in stored)
     assert choose_precision(tiny, reference, lambda p, **kw: WhisperBatched(tiny, precision=p, **kw),
@@ -258,25 +259,22 @@ def test_an_auto_choice_with_integer_products_reaches_the_lane(smollm, monkeypat
                              why="int8 (generated tokens on integer products): recorded by this test.",
                              candidates={"float32": float32, "int8": entry})
     path = _cache_file(source_key(smollm.source), device_identity("cpu"))
-    kept = path.read_text() if path.is_file() else None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(choice.to_json()))
-    engine = Engine(backend="cpu", batch=2, drafter="off", precision="auto")
-    try:
-        answer = engine.submit(ChatRequest(PROMPTS[2], params=SamplingParams(max_tokens=8))).result(600)
-        assert answer.tokens
-        lane = engine.status()["lanes"]["smollm2-135m-instruct"]
-        assert lane["precision"] == "int8" and lane["precision_why"] == choice.why
-        decoder = engine._lanes["smollm2-135m-instruct"].decoder
-        assert decoder._c_layers.generated_kernels == (("i8dot", "i16dot") if way.startswith("8") else ("i16dot", "i16dot"))
-        assert decoder._head_kernels == (native.int8_kernel(), "i16dot")  # the output layer's generated rows
-        assert all((layer.gate_up.minimum is not None) == keep_4bit for layer in decoder.layers)
-    finally:
-        engine.shutdown()
-        if kept is None:
-            path.unlink()
-        else:
-            path.write_text(kept)
+    with file_restored(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(choice.to_json()))
+        engine = Engine(backend="cpu", batch=2, drafter="off", precision="auto")
+        try:
+            answer = engine.submit(ChatRequest(PROMPTS[2], params=SamplingParams(max_tokens=8))).result(600)
+            assert answer.tokens
+            lane = engine.status()["lanes"]["smollm2-135m-instruct"]
+            assert lane["precision"] == "int8" and lane["precision_why"] == choice.why
+            decoder = engine._lanes["smollm2-135m-instruct"].decoder
+            assert decoder._c_layers.generated_kernels == (("i8dot", "i16dot") if way.startswith("8")
+                                                           else ("i16dot", "i16dot"))
+            assert decoder._head_kernels == (native.int8_kernel(), "i16dot")  # the output layer's generated rows
+            assert all((layer.gate_up.minimum is not None) == keep_4bit for layer in decoder.layers)
+        finally:
+            engine.shutdown()
 
 
 def test_int8_asked_by_name_runs_generated_tokens_on_16_bit_products_where_those_are_faster(smollm, monkeypatch):
