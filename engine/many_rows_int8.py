@@ -17,6 +17,11 @@ a window's result does not depend on the windows encoded beside it (batched = se
 Whether this pays is a property of the processor (on a Zen 1 EPYC PyTorch's int8 products were no
 faster than float32; on a Zen 3 about 1.7x): :func:`encoder_int8_engine` times it against the float
 layer once per machine and records the answer beside the kernels' row rules.
+
+The decoder's projection of a window into its cross-attention keys and values (also 1500 rows, once a
+window) has a choice of its own, :func:`memory_projection_way`: int8 weights on the decode kernels
+(engine.kernels' int8 ``Linear``, made for a step's few rows) or the float weights as they are. On a Zen 3
+EPYC the float product was 1.7-2.3x faster there, and exact.
 """
 
 from __future__ import annotations
@@ -115,3 +120,39 @@ def encoder_int8_engine(float_dtype: torch.dtype = torch.float32) -> str | None:
         _CHOICE[float_dtype] = (recorded_choice(name, lambda: _time_engines(float_dtype), lambda v: v in ways)
                                 if len(ways) > 1 else "float")
     return None if _CHOICE[float_dtype] == "float" else _CHOICE[float_dtype]
+
+
+def _time_memory_projection(float_dtype: torch.dtype) -> str:
+    """"int8" where the decode kernels' int8 layer is at least MARGIN faster than the float one (in
+    ``float_dtype``) on 1500 rows of whisper-base's cross-attention key/value projection here, else "float"."""
+    from engine.kernels import Linear, precision_of
+
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(1024, 512, generator=generator) * 0.05, torch.randn(1024, generator=generator)
+    layers = {"float": Linear(weight, bias, precision_of(float_dtype), invariant=False),
+              "int8": Linear(weight, bias, "int8", invariant=False)}
+    x = torch.randn(1500, 512, generator=generator).to(float_dtype)
+    best = {way: float("inf") for way in layers}
+    with torch.inference_mode():
+        for _ in range(4):  # taking turns, as above
+            for way, layer in layers.items():
+                start = time.perf_counter()
+                layer(x)
+                best[way] = min(best[way], time.perf_counter() - start)
+    return "int8" if best["float"] >= MARGIN * best["int8"] else "float"
+
+
+_MEMORY_WAY: dict[torch.dtype, str] = {}
+
+
+def memory_projection_way(float_dtype: torch.dtype = torch.float32) -> str:
+    """How int8 Whisper projects a window's encoder states into its cross-attention keys and values on this
+    CPU: "int8" (the decode kernels' int8 weights) or "float" (the weights unquantized, in ``float_dtype``).
+    Measured once per machine and recorded."""
+    if float_dtype not in _MEMORY_WAY:
+        from engine.kernels import recorded_choice
+
+        name = f"memory-projection-int8-vs-{str(float_dtype).removeprefix('torch.')}"
+        _MEMORY_WAY[float_dtype] = recorded_choice(name, lambda: _time_memory_projection(float_dtype),
+                                                   lambda v: v in ("int8", "float"))
+    return _MEMORY_WAY[float_dtype]

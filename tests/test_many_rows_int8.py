@@ -128,3 +128,43 @@ def test_auto_keeps_int8_with_a_float_encoder_where_the_integer_one_misses_the_w
             assert not isinstance(decoder.encoder_layers[0].fc1, ManyRowsInt8Linear)
         finally:
             served.shutdown()
+
+
+def test_the_memory_projection_way_is_measured_once_and_recorded(monkeypatch, tmp_path):
+    import engine.kernels as kernels
+
+    monkeypatch.setattr(kernels, "_row_rules_file", lambda: tmp_path / "rules.json")
+    monkeypatch.setattr(many_rows_int8, "_MEMORY_WAY", {})
+    way = many_rows_int8.memory_projection_way()  # measured here, for real
+    assert way in ("int8", "float")
+    monkeypatch.setattr(many_rows_int8, "_MEMORY_WAY", {})  # a new process reads the record, measuring nothing
+    monkeypatch.setattr(many_rows_int8, "_time_memory_projection", lambda dtype: pytest.fail("measured twice"))
+    assert many_rows_int8.memory_projection_way() == way
+    assert f'"memory-projection-int8-vs-float32": "{way}"' in (tmp_path / "rules.json").read_text()
+
+
+@pytest.mark.parametrize("way", ["float", "int8"])
+def test_int8_whisper_projects_each_window_into_its_memory_the_recorded_way(tiny, monkeypatch, way):
+    """A window's cross-attention keys and values (1500 rows once a window) come from the float weights as
+    they are where the decode kernels' int8 is no faster there, exactly as the float layer gives them."""
+    from engine.families.whisper import WhisperBatched
+    from engine.kernels import Linear, precision_of, unquantized_dtype
+
+    monkeypatch.setattr(many_rows_int8, "_MEMORY_WAY", {unquantized_dtype("int8", torch.device("cpu")): way})
+    decoder = WhisperBatched(tiny, width=2, precision="int8")
+    layer = tiny.model.model.decoder.layers[0].encoder_attn
+    assert (decoder.layers[0].cross_kv.q is None) == (way == "float")
+    encoded = torch.randn(1500, tiny.model.config.d_model, generator=torch.Generator().manual_seed(1))
+    decoder.set_memory(1, encoded)
+    assert layer.k_proj.bias is None  # Whisper's keys have no bias
+    weight = torch.cat([layer.k_proj.weight, layer.v_proj.weight]).detach()
+    bias = torch.cat([torch.zeros(layer.v_proj.out_features), layer.v_proj.bias.detach()])
+    if way == "float":
+        assert decoder.memory_projection == precision_of(unquantized_dtype("int8", torch.device("cpu")))
+        exact = Linear(weight, bias, decoder.memory_projection, invariant=False)(encoded)
+    else:
+        assert decoder.memory_projection == "int8"
+        exact = decoder.layers[0].cross_kv(encoded)  # the int8 layer itself: here only where its rows land is checked
+    k = exact.view(1500, 2, decoder.heads, decoder.head_dim)[:, 0].transpose(0, 1)
+    assert torch.equal(decoder.cross_k[0, 1, :, :1500], k.to(decoder.cross_k.dtype))
+    assert not decoder.cross_k[0, 0].any()  # the other slot untouched

@@ -104,6 +104,14 @@ class WhisperBatched(BatchedDecoder):
         if self.encoder_int8:
             dtype_e = self.encoder_dtype = torch.float32
         encoder_prep = prep if precision != "int8" else _EncoderPrep(loaded, precision_of(dtype_e), self.encoder_int8)
+        # Each window's keys and values for cross-attention: 1500 rows once a window, like the encoder's
+        # layers, so with int8 they keep their float weights where the decode kernels' int8 is no faster.
+        memory_prep, self.memory_projection = prep, precision_of(dtype)
+        if precision == "int8":
+            self.memory_projection = "int8"
+            unquantized = unquantized_dtype(precision, self.embed.device)
+            if self.embed.device.type == "cpu" and many_rows_int8.memory_projection_way(unquantized) == "float":
+                memory_prep, self.memory_projection = WeightPrep(loaded, precision_of(unquantized)), precision_of(unquantized)
         self.conv1 = (encoder.conv1.weight.detach().to(dtype_e), encoder.conv1.bias.detach().to(dtype_e))
         self.conv2 = (encoder.conv2.weight.detach().to(dtype_e), encoder.conv2.bias.detach().to(dtype_e))
         self.encoder_positions = encoder.embed_positions.weight.detach().to(dtype_e)
@@ -139,7 +147,7 @@ class WhisperBatched(BatchedDecoder):
                 cross_norm=_norm_of(layer.encoder_attn_layer_norm, dtype),
                 cross_q=prep.of(f"decoder.{i}.cross_q", ca.q_proj),
                 # the encoder memory of one window: always its 1500 rows
-                cross_kv=prep.fused(f"decoder.{i}.cross_kv", [ca.k_proj.weight, ca.v_proj.weight],
+                cross_kv=memory_prep.fused(f"decoder.{i}.cross_kv", [ca.k_proj.weight, ca.v_proj.weight],
                                     [ca.k_proj.bias, ca.v_proj.bias], invariant=False),
                 cross_out=prep.of(f"decoder.{i}.cross_out", ca.out_proj),
                 ffn_norm=_norm_of(layer.final_layer_norm, dtype),
