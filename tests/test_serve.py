@@ -343,6 +343,9 @@ def test_bad_audio_gets_one_sentence_and_the_server_goes_on(client, tmp_path, ki
     assert fine.choices[0].message.role == "assistant"
 
 
+# The client library marks its translations method deprecated (the hosted endpoint is being retired);
+# Cadence's server keeps the endpoint, so the library's notice says nothing about what is tested here.
+@pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")
 def test_an_english_only_model_refuses_to_translate(client, speech):
     import openai
 
