@@ -52,13 +52,17 @@ CHAT = "smollm2-135m-instruct"
 
 
 def cpu_model() -> str:
+    """The processor as benchmarks print it: lscpu's model name, CPU family and model (a virtual machine's
+    name alone, "AMD EPYC", does not tell a Zen 3 from a Zen 4), threads, and its AVX-512 / AMX flags."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        name = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-        flags = next((line.split(":", 1)[1].split() for line in out.splitlines() if line.startswith("Flags")), [])
+        fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines())}
+        name = fields["Model name"]
+        family = f" (family {fields['CPU family']}, model {fields['Model']})" if "CPU family" in fields else ""
+        flags = fields.get("Flags", "").split()
         extras = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in flags]
-        return f"{name}, {torch.get_num_threads()} threads, {' '.join(extras) or 'no AVX-512'}"
-    except (OSError, subprocess.CalledProcessError, StopIteration):
+        return f"{name}{family}, {torch.get_num_threads()} threads, {' '.join(extras) or 'no AVX-512'}"
+    except (OSError, subprocess.CalledProcessError, KeyError):
         return platform.processor() or platform.machine()
 
 

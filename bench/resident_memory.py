@@ -13,21 +13,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
 
 
 def resident_gib() -> float:
@@ -43,6 +34,7 @@ def main() -> None:
     if args.fresh_cache:
         os.environ["CADENCE_CACHE_DIR"] = tempfile.mkdtemp(prefix="cadence-memory-")
 
+    from bench.cpu import cpu_model  # imports torch and transformers, which the engine loads anyway
     from engine import ChatRequest, Engine
     from engine.sampling import SamplingParams
 
