@@ -79,6 +79,8 @@ class ManyRowsInt8Linear:
         if x.dim() == 2:
             return self._slice(x)
         slices = x.reshape(-1, *x.shape[-2:])
+        if slices.shape[0] == 1:  # one window: its result as it comes, not copied into a stack of one
+            return self._slice(slices[0]).reshape(*x.shape[:-1], self.out_features)
         y = torch.stack([self._slice(s) for s in slices])
         return y.reshape(*x.shape[:-1], self.out_features)
 

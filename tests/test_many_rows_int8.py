@@ -25,6 +25,7 @@ def test_each_window_is_rounded_alone_and_each_row_by_its_own_scale(engine):
     assert together.shape == (3, 40, 96) and together.dtype == torch.float32
     for i in range(3):  # a window's result does not depend on the windows beside it, bit for bit
         assert torch.equal(together[i], layer(windows[i]))
+        assert torch.equal(together[i : i + 1], layer(windows[i : i + 1]))  # a batch of one window too
     exact = windows @ weight.T + bias
     error = (together - exact).norm(dim=-1) / exact.norm(dim=-1)
     assert error.max() < 0.03  # every row, the quiet rows beside the loud one included
