@@ -18,9 +18,11 @@ Whisper: bench/transcription.py's 16-file batch and its short clips, Cadence's d
 sequential and batched, with word error rates.
 
     .venv/bin/python bench/cpu.py [--parts chat,whisper] [--widths 1,8,16] [--tokens 128] [--rounds 1]
+        [--whisper-rounds 1]
 
 ``--rounds N`` runs every chat engine once per width in each of N rounds (so a machine drifting in
-speed moves them alike) and reports medians, with each round's figures and ratios below the table.
+speed moves them alike) and reports medians, with each round's figures and ratios below the table;
+``--whisper-rounds N`` does the same for the Whisper engines (bench/transcription.py ``--rounds``).
 
 Run on a quiet machine; the CPU model is printed first (record it with the figures).
 """
@@ -266,7 +268,7 @@ def shipped_agreement() -> str:
     return f"{entry['agreement']:.1%} ({record['chosen']}{way}, as auto measured)"
 
 
-def whisper_part(quick: bool) -> None:
+def whisper_part(quick: bool, rounds: int = 1) -> None:
     from engine.kernels import precisions_on, unquantized_dtype
     from engine.many_rows_int8 import encoder_int8_engine
 
@@ -275,7 +277,7 @@ def whisper_part(quick: bool) -> None:
     if encoder_int8_engine(unquantized_dtype("int8", "cpu")):  # int8's encoder as it was before it, beside it
         specs.insert(specs.index("cadence-ts@int8") + 1, "cadence-ts@int8+float-encoder")
     command = [sys.executable, str(ROOT / "bench" / "transcription.py"), "--engines", ",".join(specs),
-               "--reference", "fw-int8", "--fw-timestamps"] + (["--quick"] if quick else [])
+               "--reference", "fw-int8", "--fw-timestamps", "--rounds", str(rounds)] + (["--quick"] if quick else [])
     print(f"\n## Whisper: `{' '.join(command[1:])}`\n", flush=True)
     subprocess.run(command, check=True)
 
@@ -286,6 +288,7 @@ def main() -> int:
     parser.add_argument("--widths", default="1,8,16")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1, help="chat: interleaved rounds, medians reported")
+    parser.add_argument("--whisper-rounds", type=int, default=1, help="Whisper: rounds, engines taking turns")
     parser.add_argument("--quick", action="store_true", help="short Whisper files only (a dry run)")
     args = parser.parse_args()
     print(f"# CPU: {cpu_model()}; torch {torch.__version__}\n", flush=True)
@@ -293,7 +296,7 @@ def main() -> int:
     if "chat" in parts:
         chat_part([int(w) for w in args.widths.split(",")], args.tokens, args.rounds)
     if "whisper" in parts:
-        whisper_part(args.quick)
+        whisper_part(args.quick, args.whisper_rounds)
     return 0
 
 

@@ -32,9 +32,12 @@ decoded with timestamps (``without_timestamps=False``).
 
     .venv/bin/python bench/transcription.py [--models whisper-tiny.en,whisper-base] [--files 16]
         [--base 4] [--width 8|auto] [--fw-batch 8] [--engines cadence,cadence-fixed,fw,fw-batched]
-        [--fw-timestamps] [--per-file] [--quick]
+        [--fw-timestamps] [--per-file] [--quick] [--rounds N]
 
 Run it on a quiet machine (another PyTorch process on the same cores slows both many times over).
+On a shared machine whose speed drifts from minute to minute, ``--rounds N`` runs every engine N times,
+taking turns, and reports each engine's median time and the median of the rounds' speed-ups (each
+round's pair ran minutes apart, not half an hour).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import contextlib
 import math
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -365,6 +369,9 @@ def main() -> None:
                              "last timestamp) instead of without_timestamps=True; the batched pipeline is unchanged")
     parser.add_argument("--per-file", action="store_true", help="also print each file's WER per engine")
     parser.add_argument("--reference", default="fw", help="the engine speed-ups and same tokens are measured against")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="timed rounds, the engines taking turns in each; seconds are medians, speed-ups the median "
+                             "of the rounds' ratios (with their range)")
     args = parser.parse_args()
     if args.fw_timestamps:
         SEQUENTIAL_OPTIONS["without_timestamps"] = False
@@ -399,29 +406,37 @@ def main() -> None:
         names = {e: engine_name(e, width, args.fw_batch) for e in engines}
         rows, raw, floors, per_file = [], [], [], []
         for model in models:
-            results = {}
+            results, seconds = {}, {eng: [] for eng in engines}  # seconds: each round's batch time
+            for round_ in range(args.rounds):  # the engines take turns, so a busy spell falls on all of them
+                for eng in engines:
+                    folder = work / f"ct2-{model}"
+
+                    def go(paths, eng=eng, model=model, folder=folder):
+                        return run_spec(eng, model, paths, width, folder, threads, args.fw_batch)
+
+                    if round_ == 0:
+                        go([base[0].path])  # throw-away: one-time costs of the process
+                    small = go([c.path for c in base])
+                    full = go([c.path for c in base + batch])
+                    seconds[eng].append(full.seconds - small.seconds)
+                    if round_ == 0:  # greedy decoding: every round gives the same words
+                        results[eng] = Run(0.0, full.texts[len(base):], full.tokens[len(base):], full.errors)
+                    raw.append((model, names[eng], round_ + 1, small.seconds, full.seconds))
+                    print(f"  {model} / {names[eng]}, round {round_ + 1}: T(base) {small.seconds:.2f} s, "
+                          f"T(base + batch) {full.seconds:.2f} s", file=sys.stderr, flush=True)
             for eng in engines:
-                folder = work / f"ct2-{model}"
-
-                def go(paths, eng=eng, model=model, folder=folder):
-                    return run_spec(eng, model, paths, width, folder, threads, args.fw_batch)
-
-                go([base[0].path])  # throw-away: one-time costs of the process
-                small = go([c.path for c in base])
-                full = go([c.path for c in base + batch])
-                batch_run = Run(full.seconds - small.seconds, full.texts[len(base):], full.tokens[len(base):],
-                                full.errors)
-                results[eng] = batch_run
-                raw.append((model, names[eng], small.seconds, full.seconds))
-                print(f"  {model} / {names[eng]}: T(base) {small.seconds:.2f} s, T(base + batch) "
-                      f"{full.seconds:.2f} s", file=sys.stderr, flush=True)
+                results[eng].seconds = statistics.median(seconds[eng])
             if args.per_file:
                 per_file.append((model, {eng: [wer(c.text, t) for c, t in zip(batch, results[eng].texts)]
                                          for eng in engines}))
             reference = results.get(args.reference)
             for eng in engines:
                 r = results[eng]
-                speed = f"{reference.seconds / r.seconds:.2f}x" if reference and r.seconds > 0 else "—"
+                speed = "—"
+                if reference and r.seconds > 0:  # the median of the rounds' ratios: each round's pair ran side by side
+                    ratios = [a / b for a, b in zip(seconds[args.reference], seconds[eng]) if b > 0]
+                    speed = f"{statistics.median(ratios):.2f}x" + (
+                        f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else "")
                 error_rate = corpus_wer(zip([c.text for c in batch], r.texts))
                 same = "—" if eng == args.reference or "-ts" in eng or not reference else \
                     f"{sum(a == b for a, b in zip(r.tokens, reference.tokens))}/{len(batch)}"
@@ -433,16 +448,17 @@ def main() -> None:
                 enc = encoder_seconds(model)
                 floors += [(model, names[e], enc, n_windows[e.partition("@")[0]], results[e].seconds) for e in cadence_runs]
 
-        print(f"## {len(batch)} files, models loaded (start-up and load subtracted)\n")
+        rounds = f", median of {args.rounds} rounds" if args.rounds > 1 else ""
+        print(f"## {len(batch)} files, models loaded (start-up and load subtracted{rounds})\n")
         print(f"| model | engine | seconds | speed-up vs {names.get(args.reference, args.reference)} | WER | "
               f"same tokens as it |")
         print("|---|---|---|---|---|---|")
         print("\n".join(rows))
         print("\n## Raw runs (each from a fresh engine / model)\n")
-        print(f"| model | engine | T({len(base)} files) s | T({len(base) + len(batch)} files) s |")
-        print("|---|---|---|---|")
-        for model, eng, small, full in raw:
-            print(f"| {model} | {eng} | {small:.2f} | {full:.2f} |")
+        print(f"| model | engine | round | T({len(base)} files) s | T({len(base) + len(batch)} files) s |")
+        print("|---|---|---|---|---|")
+        for model, eng, round_, small, full in raw:
+            print(f"| {model} | {eng} | {round_} | {small:.2f} | {full:.2f} |")
         for model, table in per_file:
             print(f"\n## WER per file, {model}\n")
             print("| file | seconds | " + " | ".join(names[e] for e in engines) + " |")
