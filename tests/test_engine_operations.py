@@ -84,12 +84,18 @@ def test_a_calibration_measured_while_the_machine_got_busy_serves_but_is_not_kep
 
 
 def test_auto_engine_uses_the_calibrated_width_and_reports_it(tiny):
+    """The app's engine (interactive rule) still widens a Whisper lane by the throughput rule: its slots
+    are windows of files, a batch's work."""
     engine = Engine(backend="cpu", batch="auto")
     try:
+        assert engine.width_rule == "interactive"
         engine.submit(TranscribeRequest(SILENCE, model="whisper-tiny.en")).result(300)
         lane = engine.status()["lanes"]["whisper-tiny.en"]
-        assert lane["width_from"] == "calibration"
-        assert lane["width"] == lane["calibration"]["chosen"]
+        assert lane["width_from"] == "calibration, throughput rule"
+        curve = lane["calibration"]
+        assert curve["rule"] == "throughput"
+        assert lane["width"] == curve["chosen"] == choose_width(curve["widths"], curve["step_ms"],
+                                                                curve["memory_limit_width"], "throughput")
         assert lane["calibration"]["aggregate_tok_s"][0] == lane["calibration"]["per_slot_tok_s"][0]
         decoder = weakref.ref(engine._lanes["whisper-tiny.en"].decoder)
     finally:
@@ -100,7 +106,7 @@ def test_auto_engine_uses_the_calibrated_width_and_reports_it(tiny):
 
 
 def test_a_throughput_engine_measures_on_from_the_cached_curve_and_reports_its_rule(tiny, monkeypatch):
-    """The app's interactive curve is cached first (the test above); a server's engine measures wider
+    """An interactive curve is cached first; a server's engine measures wider
     widths only while aggregate speed still grows, keeps what was cached, and says which rule chose.
     (Widths end at 32 here: 64 and beyond would only make the test slower.)"""
     from engine import calibration as calibration_module
