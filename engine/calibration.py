@@ -7,7 +7,8 @@ width maximizes aggregate speed among the widths where each slot keeps at least 
 single-stream speed (the *interactive* rule: the app, where one person waits on each answer). A server
 asks for the *throughput* rule instead: widths are measured on while each doubling still adds
 THROUGHPUT_GAIN of aggregate speed (up to the memory bound), and the chosen width is the last that
-did: the near-best aggregate at the narrowest width that reaches it. Each width is also timed with one more row per slot (a draft being verified):
+did: the near-best aggregate at the narrowest width that reaches it (Whisper lanes always, whatever the
+engine's rule: their slots are windows of files; see ``Engine._width_rule``). Each width is also timed with one more row per slot (a draft being verified):
 what a draft row costs differs by family (Whisper's slots each read 1500 positions of encoder
 memory, which the slot's extra rows share), and the drafting planner prices rows with it. The curve
 is cached per model file, device and PyTorch version, so later loads start at once (a throughput load
