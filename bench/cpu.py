@@ -14,8 +14,8 @@ Quality: each precision's top-1 agreement with float32 on the fixed check prompt
 for by name).
 
 Whisper: bench/transcription.py's 16-file batch and its short clips, Cadence's default path
-(voice-activity windows + timestamps) in each precision beside faster-whisper int8 and float32,
-sequential and batched, with word error rates.
+(voice-activity windows + timestamps, batching auto: the width it ships with, printed per run) in each
+precision beside faster-whisper int8 and float32, sequential and batched, with word error rates.
 
     .venv/bin/python bench/cpu.py [--parts chat,whisper] [--widths 1,8,16] [--tokens 128] [--rounds 1]
         [--whisper-rounds 1]
@@ -277,7 +277,8 @@ def whisper_part(quick: bool, rounds: int = 1) -> None:
     if encoder_int8_engine(unquantized_dtype("int8", "cpu")):  # int8's encoder as it was before it, beside it
         specs.insert(specs.index("cadence-ts@int8") + 1, "cadence-ts@int8+float-encoder")
     command = [sys.executable, str(ROOT / "bench" / "transcription.py"), "--engines", ",".join(specs),
-               "--reference", "fw-int8", "--fw-timestamps", "--rounds", str(rounds)] + (["--quick"] if quick else [])
+               "--reference", "fw-int8", "--fw-timestamps", "--rounds", str(rounds),
+               "--width", "auto"] + (["--quick"] if quick else [])  # the lane width Cadence ships with
     print(f"\n## Whisper: `{' '.join(command[1:])}`\n", flush=True)
     subprocess.run(command, check=True)
 

@@ -209,6 +209,7 @@ class Run:
     texts: list[str] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    width: int | None = None  # Cadence: the lane width it ran at (what ``auto`` chose)
 
 
 def run_cadence(model: str, paths: list[Path], width, windowing: str = "vad", timestamps: bool = False,
@@ -231,6 +232,7 @@ def run_cadence(model: str, paths: list[Path], width, windowing: str = "vad", ti
                 run.tokens.append([])
                 run.errors.append(str(exc))
         run.seconds = time.perf_counter() - start
+        run.width = engine.status()["lanes"].get(model, {}).get("width")
     finally:
         engine.shutdown()
     return run
@@ -422,7 +424,8 @@ def main() -> None:
                     if round_ == 0:  # greedy decoding: every round gives the same words
                         results[eng] = Run(0.0, full.texts[len(base):], full.tokens[len(base):], full.errors)
                     raw.append((model, names[eng], round_ + 1, small.seconds, full.seconds))
-                    print(f"  {model} / {names[eng]}, round {round_ + 1}: T(base) {small.seconds:.2f} s, "
+                    at = f" at width {full.width}" if full.width is not None else ""
+                    print(f"  {model} / {names[eng]}, round {round_ + 1}{at}: T(base) {small.seconds:.2f} s, "
                           f"T(base + batch) {full.seconds:.2f} s", file=sys.stderr, flush=True)
             for eng in engines:
                 results[eng].seconds = statistics.median(seconds[eng])
