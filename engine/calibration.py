@@ -8,7 +8,7 @@ single-stream speed (the *interactive* rule: the app, where one person waits on 
 asks for the *throughput* rule instead: widths are measured on while each doubling still adds
 THROUGHPUT_GAIN of aggregate speed (up to the memory bound), and the chosen width is the last that
 did: the near-best aggregate at the narrowest width that reaches it (Whisper lanes always, whatever the
-engine's rule: their slots are windows of files; see ``Engine._width_rule``). Each width is also timed with one more row per slot (a draft being verified):
+engine's rule: their slots are windows of files; see :func:`lane_rule`). Each width is also timed with one more row per slot (a draft being verified):
 what a draft row costs differs by family (Whisper's slots each read 1500 positions of encoder
 memory, which the slot's extra rows share), and the drafting planner prices rows with it. The curve
 is cached per model file, device and PyTorch version, so later loads start at once (a throughput load
@@ -136,6 +136,14 @@ def slot_length(decoder: BatchedDecoder, width: int, asked: int | None = None) -
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
+
+
+def lane_rule(family: str, engine_rule: str) -> str:
+    """The rule batching 'auto' picks a lane's width by: a chat lane the engine's (the app's interactive:
+    each reader's answer stays quick); a Whisper lane throughput whatever the engine's, since its slots are
+    windows of files, work for the whole batch rather than tokens someone reads as they come (a step costs
+    only the rows in it, so a live recording alone in a wide lane runs as fast as in a narrow one)."""
+    return "throughput" if family == "whisper" else engine_rule
 
 
 def choose_width(widths: list[int], step_ms: list[float], limit: int | None = None, rule: str = "interactive") -> int:

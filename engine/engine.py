@@ -31,6 +31,7 @@ from engine.api import (
     parse_context,
     parse_precision,
 )
+from engine.calibration import lane_rule
 from engine.errors import CadenceError, record_fault
 from engine.models import CHAT, WHISPER
 
@@ -226,7 +227,7 @@ class Engine:
 
             calibration = None
             if self.batch == "auto" or self.drafter != "off":  # drafting needs the step-time curve too
-                rule = self._width_rule(loaded.family) if self.batch == "auto" else "interactive"  # (drafting: up to 16)
+                rule = lane_rule(loaded.family, self.width_rule) if self.batch == "auto" else "interactive"  # drafting: <= 16
                 calibration = calibrate(decoder, loaded.source.name, f"{key}-{precision}{way}", rule=rule)
             if calibration is not None:
                 self._calibrations[model] = calibration  # the curve and its choice, shown even when not used
@@ -257,17 +258,8 @@ class Engine:
         cost = StepCost(calibration.widths, calibration.step_ms, calibration.verify_ms)
         return drafter, DepthPlanner(cost, drafter, self.draft_depth), state
 
-    def _width_rule(self, family: str) -> str:
-        """How batching 'auto' picks a lane's width from its measured curve: a chat lane by the engine's
-        ``width_rule`` (the app's interactive: each reader's answer stays quick); a Whisper lane by the
-        throughput rule whatever the engine's, since its slots are windows of files, work for the whole batch
-        rather than tokens someone reads as they come (a step costs only the rows in it, so a live recording
-        alone in a wide lane runs as fast as in a narrow one)."""
-        return self.width_rule if family == CHAT else "throughput"
-
     def _calibrated_from(self, family: str) -> str:
-        rule = self._width_rule(family)
-        return "calibration" if rule == "interactive" else f"calibration, {rule} rule"
+        return "calibration" if (rule := lane_rule(family, self.width_rule)) == "interactive" else f"calibration, {rule} rule"
 
     def _log_step(self, record) -> None:
         if self._step_log is not None:
@@ -285,8 +277,8 @@ class Engine:
                 "family": lane.decoder.family,
                 "architecture": lane.decoder.architecture,
                 "width": lane.width,
-                "width_from": self._calibrated_from(lane.decoder.family) if self.batch == "auto" else ("batch off" if self.batch == "off"
-                                                                          else self.batch_source),
+                "width_from": self._calibrated_from(lane.decoder.family) if self.batch == "auto"
+                else ("batch off" if self.batch == "off" else self.batch_source),
                 **self._precision_status(model),
                 "calibration": calibration.to_json() if calibration else None,
                 "cache_bytes": lane.decoder.cache_bytes,
