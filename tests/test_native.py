@@ -388,3 +388,50 @@ def test_generated_rows_may_run_the_down_projection_on_16_bit_products(smollm, m
     assert torch.equal(floats[0], integers[0]) and torch.equal(floats[0], but_down[0])  # prompt rows alike
     assert not torch.equal(but_down[1], floats[1]) and not torch.equal(but_down[1], integers[1])
     assert (but_down[1] - floats[1]).abs().max() < 0.1 * floats[1].abs().max()  # a rounding, not another model
+
+
+def test_whispers_output_layer_kernel_is_measured_once_and_recorded(monkeypatch, tmp_path):
+    import engine.families.whisper as whisper
+    import engine.kernels as kernels
+
+    monkeypatch.setattr(kernels, "_row_rules_file", lambda: tmp_path / "rules.json")
+    monkeypatch.delenv("CADENCE_INT8_KERNEL", raising=False)
+    timed = []
+    monkeypatch.setattr(whisper, "_time_output_kernels", lambda: timed.append(1) or "i16dot")
+    integer = "i16dot" in native.int8_kernels_here()
+    assert whisper.output_kernel() == whisper.output_kernel() == ("i16dot" if integer else None)
+    assert timed == ([1] if integer else [])  # the second call (a new process too) reads the record
+    if integer:
+        assert '"whisper-output-i16dot-vs-float": "i16dot"' in (tmp_path / "rules.json").read_text()
+        monkeypatch.setenv("CADENCE_INT8_KERNEL", "f32x8")  # kernels named by hand run as named
+        assert whisper.output_kernel() is None
+
+
+def test_whispers_output_layer_on_16_bit_products_gives_each_row_its_own_logits(tiny, monkeypatch):
+    """int8 Whisper's output layer on the 16-bit integer kernel: a row's logits do not depend on the rows
+    beside it (bit for bit), and they are the float kernel's to within its rounding, the same argmax.
+    (A processor without integer kernels keeps the layer's own: checked instead.)"""
+    import engine.families.whisper as whisper
+    from engine.seam import StepBatch
+
+    if "i16dot" not in native.int8_kernels_here():
+        assert whisper.output_kernel() is None and whisper.WhisperBatched(tiny, precision="int8").output_kernel is None
+        return
+    monkeypatch.setattr(whisper, "output_kernel", lambda: "i16dot")
+    decoder = whisper.WhisperBatched(tiny, width=3, precision="int8")
+    assert decoder.output_kernel == "i16dot"
+    generator = torch.Generator().manual_seed(8)
+    for slot in range(3):
+        decoder.set_memory(slot, torch.randn(1500, decoder.d_model, generator=generator))
+    sot = [50257, 50362]
+    together = decoder.forward(StepBatch.build([0, 1, 2], [sot + [400], sot + [318, 257], sot], [0, 0, 0]))
+    float_logits = []
+    for slot, tokens in zip(range(3), [sot + [400], sot + [318, 257], sot]):
+        alone = decoder.forward(StepBatch.build([slot], [tokens], [0]))
+        rows = slice(sum(len(t) for t in [sot + [400], sot + [318, 257], sot][:slot]), None)
+        assert torch.equal(alone, together[rows][: len(tokens)])
+        decoder.output_kernel = None
+        float_logits.append(decoder.forward(StepBatch.build([slot], [tokens], [0])))
+        decoder.output_kernel = "i16dot"
+        error = (alone - float_logits[-1]).norm() / float_logits[-1].norm()
+        assert error < 1e-3 and torch.equal(alone.argmax(-1), float_logits[-1].argmax(-1))
