@@ -30,7 +30,7 @@ from engine.filelock import held
 from engine.paths import cache_dir, write_json
 from engine.seam import ATTENTION_BLOCK, MIN_SLOT_LENGTH, BatchedDecoder, StepBatch
 
-CALIBRATION_VERSION = 10  # 2: each width also timed with 2 rows per slot; 3: Whisper's encoder memory in bfloat16; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8's 16-bit integer products; 8: 4-bit weights kept so; 9: their scales in half floats; 10: their 8-bit integer products
+CALIBRATION_VERSION = 11  # 2: each width also timed with 2 rows per slot; 3: Whisper's encoder memory in bfloat16; 4: group-wise int8; 5: int8 layer ops and attention in C; 6: its Whisper memory in float16; 7: int8's 16-bit integer products; 8: 4-bit weights kept so; 9: their scales in half floats; 10: their 8-bit integer products; 11: int8 Whisper's output layer on 16-bit products
 WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 ALWAYS_MEASURED = 16  # widths up to this are always measured (memory permitting)
 HISTORY = 128  # cache positions each slot holds while its step is timed

@@ -85,7 +85,7 @@ class ManyRowsInt8Linear:
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def _best_times(ways: dict, rounds: int = 4) -> dict[str, float]:
+def best_times(ways: dict, rounds: int = 4) -> dict[str, float]:
     """Each way's best of ``rounds`` calls, in seconds; the ways take turns, so a busy moment falls on all."""
     best = {way: float("inf") for way in ways}
     with torch.inference_mode():
@@ -111,7 +111,7 @@ def _time_engines(float_dtype: torch.dtype) -> str:
         layers[engine] = [ManyRowsInt8Linear(torch.randn(o, i, generator=generator) * 0.05, None, engine)
                           for o, i in shapes]
     inputs = [torch.randn(1500, i, generator=generator).to(float_dtype) for _, i in shapes]
-    best = _best_times({way: (lambda pair=pair: [layer(x) for layer, x in zip(pair, inputs)])
+    best = best_times({way: (lambda pair=pair: [layer(x) for layer, x in zip(pair, inputs)])
                         for way, pair in layers.items()})
     fastest = min((w for w in best if w != "float"), key=best.get, default=None)
     return fastest if fastest is not None and best["float"] >= MARGIN * best[fastest] else "float"
@@ -140,7 +140,7 @@ def _time_memory_projection(float_dtype: torch.dtype) -> str:
     layers = {"float": Linear(weight, bias, precision_of(float_dtype), invariant=False),
               "int8": Linear(weight, bias, "int8", invariant=False)}
     x = torch.randn(1500, 512, generator=generator).to(float_dtype)
-    best = _best_times({way: (lambda layer=layer: layer(x)) for way, layer in layers.items()})
+    best = best_times({way: (lambda layer=layer: layer(x)) for way, layer in layers.items()})
     return "int8" if best["float"] >= MARGIN * best["int8"] else "float"
 
 

@@ -84,9 +84,10 @@ def _time_output_kernels() -> str:
     q = torch.randint(-127, 128, (51864, 512), generator=generator, dtype=torch.int8)
     scale = torch.rand(51864, 512 // native.int8_group(), generator=generator) * 0.01
     x = torch.randn(8, 512, generator=generator)
-    best = many_rows_int8._best_times({kernel: (lambda kernel=kernel: native.int8_linear(x, q, scale, kernel=kernel))
-                                       for kernel in (native.int8_kernel(), "i16dot")})
-    return "i16dot" if best[native.int8_kernel()] >= 1.15 * best["i16dot"] else "layer"
+    float_kernel = native.int8_kernel()
+    best = many_rows_int8.best_times({kernel: (lambda kernel=kernel: native.int8_linear(x, q, scale, kernel=kernel))
+                                      for kernel in (float_kernel, "i16dot")})
+    return "i16dot" if best[float_kernel] >= many_rows_int8.MARGIN * best["i16dot"] else "layer"
 
 
 def output_kernel() -> str | None:
